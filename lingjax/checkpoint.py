@@ -1,0 +1,350 @@
+"""Checkpoint I/O: official safetensors layout (streamed tensor by tensor) and lingjax's orbax format.
+
+`tensor_table` is the one name table from checkpoint keys to parameter paths. Loading first reads
+every file's header and checks the whole table (missing, unexpected, duplicated, both spellings of
+one tensor, shape, dtype) before a single tensor's data is read, so a bad checkpoint fails fast with
+one CheckpointError naming the tensor and the file. Data then streams one parameter at a time:
+per-expert tensors are stacked into their [E, ...] parameter as they arrive, so host memory holds
+at most one parameter (the real checkpoint is ~250 GB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from lingjax.config import KDA, MOE, LingConfig
+from lingjax.model import LingModel, abstract_model
+
+INDEX_FILE = "model.safetensors.index.json"
+ORBAX_DIR = "params"
+META_FILE = "lingjax.json"
+ACCEPTED_DTYPES = {"F32": np.float32, "BF16": jnp.bfloat16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config or is damaged; the message names tensor and file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    names: tuple[str, ...]  # accepted spellings; exactly one must be present
+    path: tuple  # parameter path in the model's state
+    shape: tuple[int, ...]  # shape in the checkpoint
+    expert: int | None = None  # index into a stacked [E, ...] parameter
+
+
+def tensor_table(cfg: LingConfig, with_mtp: bool) -> list[TensorSpec]:
+    """Every tensor an official checkpoint holds for `cfg`, in load order."""
+    d, v, p, h = cfg.hidden_size, cfg.vocab_size, cfg.kda_dim, cfg.kda_num_heads
+    specs = [TensorSpec(("model.word_embeddings.weight",), ("embed",), (v, d))]
+
+    def attn_out(prefix):  # the output projection is spelled both ways in the wild
+        return (f"{prefix}attention.dense.weight", f"{prefix}attention.o_proj.weight")
+
+    def mla(prefix, path):
+        n, r, nh = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.num_heads
+        a = f"{prefix}attention."
+        return [
+            TensorSpec((a + "q_proj.weight",), path + ("q_proj",), (nh * (n + r), d)),
+            TensorSpec((a + "kv_a_proj_with_mqa.weight",), path + ("kv_a_proj",), (cfg.mla_cache_dim, d)),
+            TensorSpec((a + "kv_a_layernorm.weight",), path + ("kv_a_norm",), (cfg.kv_lora_rank,)),
+            TensorSpec((a + "kv_b_proj.weight",), path + ("kv_b_proj",), (nh * (n + cfg.v_head_dim), cfg.kv_lora_rank)),
+            TensorSpec((a + "g_proj.weight",), path + ("g_proj",), (nh, d)),
+            TensorSpec(attn_out(prefix), path + ("o_proj",), (d, nh * cfg.v_head_dim)),
+        ]
+
+    def kda(prefix, path):
+        a = f"{prefix}attention."
+        out = [TensorSpec((a + f"{x}_proj.weight",), path + (f"{x}_proj",), (p, d)) for x in "qkvfg"]
+        out += [TensorSpec((a + "b_proj.weight",), path + ("b_proj",), (h, d))]
+        out += [TensorSpec((a + f"{x}_conv1d.weight",), path + (f"{x}_conv",), (p, 1, cfg.conv_size)) for x in "qkv"]
+        out += [
+            TensorSpec((a + "A_log",), path + ("a_log",), (h,)),
+            TensorSpec((a + "dt_bias",), path + ("dt_bias",), (p,)),
+            TensorSpec((a + "o_norm.weight",), path + ("o_norm",), (cfg.kda_head_dim,)),
+            TensorSpec(attn_out(prefix), path + ("o_proj",), (d, p)),
+        ]
+        return out
+
+    def dense_mlp(prefix, path, width):
+        return [
+            TensorSpec((f"{prefix}gate_proj.weight",), path + ("gate_proj",), (width, d)),
+            TensorSpec((f"{prefix}up_proj.weight",), path + ("up_proj",), (width, d)),
+            TensorSpec((f"{prefix}down_proj.weight",), path + ("down_proj",), (d, width)),
+        ]
+
+    def moe(prefix, path):
+        m, i = f"{prefix}mlp.", cfg.moe_intermediate_size
+        out = [
+            TensorSpec((m + "gate.weight",), path + ("router",), (cfg.num_experts, d)),
+            TensorSpec((m + "gate.expert_bias", m + "gate.e_score_correction_bias"), path + ("router_bias",),
+                       (cfg.num_experts,)),
+        ]
+        for e in range(cfg.num_experts):
+            x = f"{m}experts.{e}."
+            out += [
+                TensorSpec((x + "gate_proj.weight",), path + ("w_gate",), (i, d), e),
+                TensorSpec((x + "up_proj.weight",), path + ("w_up",), (i, d), e),
+                TensorSpec((x + "down_proj.weight",), path + ("w_down",), (d, i), e),
+            ]
+        if cfg.shared_intermediate_size:
+            out += dense_mlp(m + "shared_experts.", path + ("shared",), cfg.shared_intermediate_size)
+        return out
+
+    def block(prefix, path, attn_kind, mlp_kind):
+        out = [
+            TensorSpec((prefix + "input_layernorm.weight",), path + ("input_norm",), (d,)),
+            TensorSpec((prefix + "post_attention_layernorm.weight",), path + ("post_norm",), (d,)),
+        ]
+        out += kda(prefix, path + ("attn",)) if attn_kind == KDA else mla(prefix, path + ("attn",))
+        out += moe(prefix, path + ("mlp",)) if mlp_kind == MOE else dense_mlp(prefix + "mlp.", path + ("mlp",),
+                                                                               cfg.intermediate_size)
+        return out
+
+    for n, (attn_kind, mlp_kind) in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
+        specs += block(f"model.layers.{n}.", ("layers", n), attn_kind, mlp_kind)
+    specs.append(TensorSpec(("model.norm.weight",), ("final_norm",), (d,)))
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec(("lm_head.weight",), ("lm_head",), (v, d)))
+    if with_mtp:
+        x = f"model.layers.{cfg.mtp_layer_id}."
+        specs += [
+            TensorSpec((x + "enorm.weight",), ("mtp", "enorm"), (d,)),
+            TensorSpec((x + "hnorm.weight",), ("mtp", "hnorm"), (d,)),
+            TensorSpec((x + "eh_proj.weight",), ("mtp", "eh_proj"), (d, 2 * d)),
+            *block(x, ("mtp", "block"), "mla", MOE),
+            TensorSpec((x + "final_layernorm.weight",), ("mtp", "final_norm"), (d,)),
+        ]
+    return specs
+
+
+# ---- reading safetensors headers -------------------------------------------------------------
+class _Files:
+    """Which file holds which tensor, from the index (or every *.safetensors file without one)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        index = directory / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: unreadable index ({e})") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            weight_map = None
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{directory}: no *.safetensors files")
+        self.handles = {}
+        self.where: dict[str, str] = {}
+        for name in files:
+            path = directory / name
+            if not path.exists():
+                raise CheckpointError(f"{path}: listed in {INDEX_FILE} but missing")
+            try:
+                handle = safe_open(str(path), framework="numpy")
+            except Exception as e:  # safetensors raises its own error type for damaged headers/lengths
+                raise CheckpointError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from None
+            self.handles[name] = handle
+            for key in handle.keys():
+                if key in self.where:
+                    raise CheckpointError(f"tensor {key} appears in both {self.where[key]} and {name}")
+                self.where[key] = name
+        if weight_map is not None:
+            for key, name in weight_map.items():
+                if self.where.get(key) != name:
+                    raise CheckpointError(f"tensor {key}: {INDEX_FILE} says {name} but that file does not hold it")
+
+    def header(self, key: str) -> tuple[tuple[int, ...], str]:
+        sl = self.handles[self.where[key]].get_slice(key)
+        return tuple(sl.get_shape()), sl.get_dtype()
+
+    def read(self, key: str) -> np.ndarray:
+        name = self.where[key]
+        try:
+            return self.handles[name].get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"tensor {key} in {self.directory / name}: cannot read data ({e})") from None
+
+
+def _resolve(cfg: LingConfig, files: _Files) -> tuple[list[tuple[TensorSpec, str]], bool]:
+    """Match the table against the files' headers; returns [(spec, key present)] and MTP presence."""
+    mtp_prefix = f"model.layers.{cfg.mtp_layer_id}."
+    with_mtp = any(k.startswith(mtp_prefix) for k in files.where)
+    resolved, used = [], set()
+    for spec in tensor_table(cfg, with_mtp):
+        present = [n for n in spec.names if n in files.where]
+        if not present:
+            raise CheckpointError(f"missing tensor {' or '.join(spec.names)} in {files.directory}")
+        if len(present) > 1:
+            raise CheckpointError(
+                f"both {present[0]} ({files.where[present[0]]}) and {present[1]} ({files.where[present[1]]}) "
+                "are present; a checkpoint must hold exactly one of them"
+            )
+        key = present[0]
+        shape, dtype = files.header(key)
+        where = files.directory / files.where[key]
+        if dtype not in ACCEPTED_DTYPES:
+            raise CheckpointError(f"tensor {key} in {where} has dtype {dtype}; expected one of {sorted(ACCEPTED_DTYPES)}")
+        if int(np.prod(shape)) != int(np.prod(spec.shape)) or shape not in _accepted_shapes(spec.shape):
+            raise CheckpointError(f"tensor {key} in {where} has shape {list(shape)} but config.json implies "
+                                  f"{list(spec.shape)}")
+        resolved.append((spec, key))
+        used.add(key)
+    unexpected = sorted(set(files.where) - used)
+    if unexpected:
+        shown = ", ".join(f"{k} ({files.where[k]})" for k in unexpected[:5])
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"unexpected tensors in {files.directory}: {shown}{more}")
+    return resolved, with_mtp
+
+
+def _accepted_shapes(shape: tuple[int, ...]) -> set[tuple[int, ...]]:
+    """Some exports store A_log as [1, 1, H, 1]; conv weights arrive as [C, 1, W] (or [C, W])."""
+    out = {shape}
+    if len(shape) == 1:
+        out.add((1, 1, shape[0], 1))
+    if len(shape) == 3 and shape[1] == 1:
+        out.add((shape[0], shape[2]))
+    return out
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+Placer = Callable[[tuple, np.ndarray], jax.Array]
+
+
+def load_safetensors(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
+                     place: Placer | None = None, progress: Callable[[int, int], None] | None = None) -> LingModel:
+    """Load an official-layout checkpoint into a LingModel. `place(path, array)` puts one parameter on
+    its device(s) (default: jax.device_put); `progress(done, total)` reports parameters loaded."""
+    files = _Files(Path(directory))
+    resolved, with_mtp = _resolve(cfg, files)
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype, with_mtp=with_mtp))
+    targets = nnx.to_pure_dict(abstract)
+    place = place or (lambda path, array: jax.device_put(array))
+
+    groups: dict[tuple, list[tuple[TensorSpec, str]]] = {}
+    for spec, key in resolved:
+        groups.setdefault(spec.path, []).append((spec, key))
+    if cfg.tie_word_embeddings:
+        groups[("lm_head",)] = groups[("embed",)]
+
+    params: dict = {}
+    for done, (path, parts) in enumerate(groups.items(), 1):
+        target = _get(targets, path)
+        host = np.empty(target.shape, target.dtype)
+        for spec, key in parts:
+            array = files.read(key).reshape(target.shape[1:] if spec.expert is not None else target.shape)
+            if spec.expert is None:
+                host[...] = array
+            else:
+                host[spec.expert] = array
+        _set(params, path, place(path, host))
+        del host
+        if progress:
+            progress(done, len(groups))
+    return _merge(graphdef, abstract, params)
+
+
+def _merge(graphdef, abstract, params: dict) -> LingModel:
+    nnx.replace_by_pure_dict(abstract, params)
+    return nnx.merge(graphdef, abstract)
+
+
+# ---- orbax: lingjax's own fast format ----------------------------------------------------------
+def save_orbax(model: LingModel, out_dir: str | Path, config_json: dict) -> None:
+    """Write config.json, lingjax.json and the parameters (orbax) under out_dir."""
+    import orbax.checkpoint as ocp
+
+    out = Path(out_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config_json, indent=2))
+    (out / META_FILE).write_text(json.dumps({"has_mtp": model.has_mtp, "dtype": str(model.dtype)}))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(out / ORBAX_DIR, params, force=True)
+
+
+def is_orbax(directory: str | Path) -> bool:
+    return (Path(directory) / META_FILE).exists() and (Path(directory) / ORBAX_DIR).is_dir()
+
+
+def load_orbax(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16) -> LingModel:
+    """Restore a checkpoint written by save_orbax, cast to `dtype` (f32-by-design parameters stay f32)."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    meta = json.loads((directory / META_FILE).read_text())
+    _, saved = nnx.split(abstract_model(cfg, jnp.dtype(meta["dtype"]), with_mtp=meta["has_mtp"]))
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            params = ckptr.restore(directory / ORBAX_DIR, nnx.to_pure_dict(saved))
+        except Exception as e:
+            raise CheckpointError(f"{directory / ORBAX_DIR}: cannot restore ({e})") from None
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype, with_mtp=meta["has_mtp"]))
+    params = jax.tree.map(lambda a, t: a.astype(t.dtype), params, nnx.to_pure_dict(abstract))
+    return _merge(graphdef, abstract, params)
+
+
+def convert(hf_dir: str | Path, out_dir: str | Path, dtype=jnp.bfloat16,
+            progress: Callable[[int, int], None] | None = None) -> LingModel:
+    """Official safetensors checkpoint -> lingjax orbax checkpoint (the fast load path)."""
+    hf_dir = Path(hf_dir)
+    raw = json.loads((hf_dir / "config.json").read_text())
+    cfg = LingConfig.from_hf(raw)
+    model = load_safetensors(hf_dir, cfg, dtype, progress=progress)
+    save_orbax(model, out_dir, raw)
+    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (hf_dir / extra).exists():
+            shutil.copy(hf_dir / extra, Path(out_dir) / extra)
+    return model
+
+
+def save_safetensors(model: LingModel, out_dir: str | Path, max_tensors_per_file: int = 0) -> None:
+    """Write a model in the official layout (config.json + safetensors, sharded with an index when
+    max_tensors_per_file > 0): the inverse of load_safetensors, used to make test checkpoints."""
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tensors = {}
+    for spec in tensor_table(model.cfg, model.has_mtp):
+        array = np.asarray(_get(params, spec.path))
+        tensors[spec.names[0]] = np.ascontiguousarray((array[spec.expert] if spec.expert is not None else array)
+                                                      .reshape(spec.shape))
+    names = list(tensors)
+    per_file = max_tensors_per_file or len(names)
+    chunks = [names[i : i + per_file] for i in range(0, len(names), per_file)]
+    if len(chunks) == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for k, chunk in enumerate(chunks, 1):
+        fname = f"model-{k:05d}-of-{len(chunks):05d}.safetensors"
+        save_file({n: tensors[n] for n in chunk}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in chunk})
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))

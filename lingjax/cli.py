@@ -1,0 +1,118 @@
+"""`lingjax` command line: generate, convert, info."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _progress(label: str):
+    def report(done: int, total: int) -> None:
+        print(f"\r{label} {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+    return report
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by spaces, got {text!r}") from None
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from lingjax.config import PRESETS
+
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", choices=sorted(PRESETS), help="a preset with random weights")
+    src.add_argument("--checkpoint", type=Path, help="official safetensors dir or `lingjax convert` output")
+
+
+def cmd_generate(args) -> int:
+    import lingjax
+
+    model = lingjax.load(args.model or args.checkpoint, dtype=args.dtype, kernels=args.kernels, seed=args.seed,
+                         progress=_progress("loading parameters"))
+
+    def show(token: int) -> None:
+        print(token, end=" ", flush=True)
+
+    result = lingjax.generate(model, args.prompt_ids, args.max_new_tokens, temperature=args.temperature,
+                              seed=args.seed, stop_ids=args.stop_ids, top_k=args.top_k, top_p=args.top_p,
+                              ignore_eos=args.ignore_eos, on_token=show)
+    print()
+    print(f"{len(result.tokens)} tokens ({result.stop_reason}); prompt {result.prompt_len}; "
+          f"TTFT {result.ttft_s * 1e3:.1f} ms; TPOT mean {result.tpot_mean_s * 1e3:.2f} ms, "
+          f"median {result.tpot_median_s * 1e3:.2f} ms (first call includes compilation)", file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from lingjax.checkpoint import convert
+
+    import jax.numpy as jnp
+
+    convert(args.hf_dir, args.out_dir, dtype=getattr(jnp, args.dtype), progress=_progress("converting parameters"))
+    print(f"wrote {args.out_dir}", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from lingjax.config import LingConfig, preset
+    from lingjax.model import abstract_model, param_count
+
+    cfg = preset(args.model) if args.model else LingConfig.from_file(args.checkpoint / "config.json")
+    base = param_count(abstract_model(cfg, with_mtp=False))
+    full = param_count(abstract_model(cfg, with_mtp=True))
+    kinds = "".join("M" if t == "mla" else "k" for t in cfg.layer_types)
+    print(f"layers      {cfg.num_hidden_layers} ({kinds}: k=KDA, M=MLA), MoE from layer {cfg.mlp_types.index('moe')}"
+          if "moe" in cfg.mlp_types else f"layers      {cfg.num_hidden_layers} ({kinds})")
+    print(f"experts     {cfg.num_experts} routed, top-{cfg.num_experts_per_tok}, "
+          f"{cfg.n_group} groups keep {cfg.topk_group}")
+    print(f"params      {base / 1e9:.2f} B without MTP, {full / 1e9:.2f} B with MTP ({full:,})")
+    print(f"bf16 bytes  {full * 2 / 1e9:.1f} GB")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lingjax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="greedy or sampled generation, streaming token ids")
+    _add_model_args(g)
+    g.add_argument("--prompt-ids", type=_ids, required=True, help='prompt token ids, e.g. "1 2 3"')
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (and preset weights' seed)")
+    g.add_argument("--stop-ids", type=_ids, default=[], help="extra stop token ids")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's EOS ids")
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    g.add_argument("--kernels", choices=["xla", "pallas"], default="xla")
+    g.set_defaults(run=cmd_generate)
+
+    c = sub.add_parser("convert", help="official safetensors checkpoint -> lingjax (orbax) checkpoint")
+    c.add_argument("hf_dir", type=Path)
+    c.add_argument("out_dir", type=Path)
+    c.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    c.set_defaults(run=cmd_convert)
+
+    i = sub.add_parser("info", help="config summary and parameter count (abstract: no memory used)")
+    _add_model_args(i)
+    i.set_defaults(run=cmd_info)
+
+    args = parser.parse_args(argv)
+    from lingjax.checkpoint import CheckpointError
+    from lingjax.config import ConfigError
+
+    try:
+        return args.run(args)
+    except (CheckpointError, ConfigError, FileNotFoundError, NotImplementedError, ValueError) as e:
+        print(f"lingjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

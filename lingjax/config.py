@@ -1,0 +1,340 @@
+"""LingConfig: the one place that knows HF config.json field names.
+
+config.json comes in two spellings (see ling3_architecture.md §1):
+- the official checkpoint's (architectures BailingMoeV3ForCausalLM; n_group, num_experts_per_tok,
+  norm_topk_prob, max_position_embeddings; head_dim is the KDA head dim; no layer_types list), and
+- the one HF's save_pretrained writes (num_expert_group, num_experts_per_token, moe_renormalize,
+  model_max_length; linear_head_dim is the KDA head dim while head_dim holds the rope dim; explicit
+  layer_types and mlp_layer_types).
+Every other module reads LingConfig only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+KDA = "kda"
+MLA = "mla"
+DENSE = "dense"
+MOE = "moe"
+
+
+class ConfigError(ValueError):
+    """A config.json that lingjax cannot interpret."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LingConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense FFN (first_k_dense_replace layers)
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]  # KDA or MLA per layer
+    mlp_types: tuple[str, ...]  # DENSE or MOE per layer
+    # MLA
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_theta: float
+    # KDA
+    kda_num_heads: int
+    kda_head_dim: int
+    conv_size: int
+    kda_safe_gate: bool
+    kda_lower_bound: float
+    # MoE
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_intermediate_size: int  # 0 = no shared expert
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    # SwiGLU limits indexed by layer id (the MTP layer is id num_hidden_layers); 0 = no clamp.
+    expert_swiglu_limits: tuple[float, ...] = ()
+    shared_swiglu_limits: tuple[float, ...] = ()
+    # misc
+    rms_norm_eps: float = 1e-6
+    num_nextn_predict_layers: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        n = self.num_hidden_layers
+        if len(self.layer_types) != n or len(self.mlp_types) != n:
+            raise ConfigError(f"layer_types/mlp_types must have {n} entries")
+        if set(self.layer_types) - {KDA, MLA} or set(self.mlp_types) - {DENSE, MOE}:
+            raise ConfigError(f"unknown layer types in {self.layer_types} / {self.mlp_types}")
+        if MOE in self.mlp_types or self.num_nextn_predict_layers:
+            if self.num_experts % self.n_group:
+                raise ConfigError(f"num_experts {self.num_experts} not divisible by n_group {self.n_group}")
+            if self.num_experts // self.n_group < 2:
+                raise ConfigError("group-limited routing needs at least 2 experts per group")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ConfigError(f"topk_group {self.topk_group} outside 1..n_group={self.n_group}")
+            if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+                raise ConfigError("num_experts_per_tok exceeds the experts in the kept groups")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError("qk_rope_head_dim must be even (interleaved rope pairs)")
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kda_dim(self) -> int:  # P = H * d
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def mla_cache_dim(self) -> int:  # latent c + roped k_pe per token
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mtp_layer_id(self) -> int:
+        return self.num_hidden_layers
+
+    def swiglu_limit(self, layer_id: int, shared: bool) -> float:
+        """Clamp for layer `layer_id`; 0.0 means none (missing list, index past its end, null or 0)."""
+        limits = self.shared_swiglu_limits if shared else self.expert_swiglu_limits
+        if layer_id < len(limits) and limits[layer_id]:
+            return float(limits[layer_id])
+        return 0.0
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> "LingConfig":
+        """Build from a config.json dict in either spelling."""
+        if raw.get("model_type") not in (None, "bailing_hybrid", "bailing_moe_v3"):
+            raise ConfigError(f"model_type {raw.get('model_type')!r} is not bailing_hybrid")
+
+        def get(*names, default=...):
+            for name in names:
+                if name in raw and raw[name] is not None:
+                    return raw[name]
+            if default is ...:
+                raise ConfigError(f"config.json lacks {' / '.join(names)}")
+            return default
+
+        rope = raw.get("rope_parameters") or {}
+        if raw.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+            raise ConfigError("rope scaling is not supported (Ling-3.0-flash uses plain rope)")
+        if get("q_lora_rank", default=None):
+            raise ConfigError("q_lora_rank is set; lingjax implements the direct q_proj form only")
+        if not get("rope_interleave", default=True):
+            raise ConfigError("rope_interleave=false is not supported")
+        if get("use_kda_lora", default=False) or not get("no_kda_lora", default=True):
+            raise ConfigError("KDA LoRA gates are not supported (Ling-3.0-flash has full-rank f/g proj)")
+        if get("gated_attention_proj_granularity_type", default="head_wise") != "head_wise":
+            raise ConfigError("only head-wise MLA gates are supported")
+
+        n_layers = int(get("num_hidden_layers"))
+        heads = int(get("num_attention_heads"))
+        # KDA head dim: linear_head_dim in HF spelling, head_dim in the official one.
+        kda_head_dim = int(get("linear_head_dim", "head_dim"))
+        group = int(get("layer_group_size", default=6))
+        if raw.get("layer_types"):
+            names = {"full_attention": MLA, "linear_attention": KDA}
+            try:
+                layer_types = tuple(names[t] for t in raw["layer_types"])
+            except KeyError as e:
+                raise ConfigError(f"unknown layer type {e} in layer_types") from None
+        else:
+            layer_types = official_layer_pattern(n_layers, group)
+        first_dense = int(get("first_k_dense_replace", default=0))
+        if raw.get("mlp_layer_types"):
+            mlp_types = tuple(MOE if t == "sparse" else DENSE for t in raw["mlp_layer_types"])
+        else:
+            mlp_types = tuple(DENSE if i < first_dense else MOE for i in range(n_layers))
+
+        moe_inter = int(get("moe_intermediate_size"))
+        n_shared = int(get("num_shared_experts", "n_shared_experts", default=1))
+        shared_inter = int(get("moe_shared_expert_intermediate_size", default=moe_inter * n_shared)) if n_shared else 0
+        eos = get("eos_token_id", default=())
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        return cls(
+            vocab_size=int(get("vocab_size")),
+            hidden_size=int(get("hidden_size")),
+            intermediate_size=int(get("intermediate_size")),
+            num_hidden_layers=n_layers,
+            layer_types=layer_types,
+            mlp_types=mlp_types,
+            num_heads=heads,
+            kv_lora_rank=int(get("kv_lora_rank")),
+            qk_nope_head_dim=int(get("qk_nope_head_dim")),
+            qk_rope_head_dim=int(get("qk_rope_head_dim")),
+            v_head_dim=int(get("v_head_dim")),
+            rope_theta=float(rope.get("rope_theta") or get("rope_theta", default=6e6)),
+            kda_num_heads=int(get("linear_num_heads", default=heads)),
+            kda_head_dim=kda_head_dim,
+            conv_size=int(get("linear_conv_kernel_dim", "short_conv_kernel_size", default=4)),
+            kda_safe_gate=bool(get("kda_safe_gate", default=True)),
+            kda_lower_bound=float(get("kda_lower_bound", default=-5.0)),
+            num_experts=int(get("num_experts", "num_local_experts")),
+            num_experts_per_tok=int(get("num_experts_per_tok", "num_experts_per_token")),
+            moe_intermediate_size=moe_inter,
+            shared_intermediate_size=shared_inter,
+            n_group=int(get("n_group", "num_expert_group", default=1)),
+            topk_group=int(get("topk_group", default=1)),
+            routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
+            norm_topk_prob=bool(get("norm_topk_prob", "moe_renormalize", default=True)),
+            expert_swiglu_limits=_limits(raw.get("expert_swiglu_limit_list")),
+            shared_swiglu_limits=_limits(raw.get("share_expert_swiglu_limit_list")),
+            rms_norm_eps=float(get("rms_norm_eps", default=1e-6)),
+            num_nextn_predict_layers=int(get("num_nextn_predict_layers", "num_mtp_layers", default=0)),
+            eos_token_ids=tuple(int(e) for e in eos),
+            max_position_embeddings=int(get("max_position_embeddings", "model_max_length", default=262144)),
+            tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "LingConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read {path}: {e}") from None
+        try:
+            return cls.from_hf(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """The official spelling; from_hf(to_hf()) round-trips."""
+        return {
+            "architectures": ["BailingMoeV3ForCausalLM"],
+            "model_type": "bailing_hybrid",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": ["full_attention" if t == MLA else "linear_attention" for t in self.layer_types],
+            "mlp_layer_types": ["sparse" if t == MOE else "dense" for t in self.mlp_types],
+            "num_attention_heads": self.num_heads,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "rope_theta": self.rope_theta,
+            "linear_num_heads": self.kda_num_heads,
+            "head_dim": self.kda_head_dim,
+            "short_conv_kernel_size": self.conv_size,
+            "kda_safe_gate": self.kda_safe_gate,
+            "kda_lower_bound": self.kda_lower_bound,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_shared_experts": 1 if self.shared_intermediate_size else 0,
+            "moe_shared_expert_intermediate_size": self.shared_intermediate_size,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "norm_topk_prob": self.norm_topk_prob,
+            "expert_swiglu_limit_list": list(self.expert_swiglu_limits),
+            "share_expert_swiglu_limit_list": list(self.shared_swiglu_limits),
+            "rms_norm_eps": self.rms_norm_eps,
+            "num_nextn_predict_layers": self.num_nextn_predict_layers,
+            "eos_token_id": list(self.eos_token_ids),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
+
+def official_layer_pattern(num_layers: int, group: int) -> tuple[str, ...]:
+    """MLA closes each group; a trailing incomplete group is all MLA (the official engines' rule)."""
+    full = (num_layers // group) * group
+    return tuple(MLA if (i + 1) % group == 0 or i >= full else KDA for i in range(num_layers))
+
+
+def _limits(values) -> tuple[float, ...]:
+    return tuple(float(v or 0.0) for v in (values or ()))
+
+
+# ---- presets -------------------------------------------------------------------------------
+# Ling-3.0-flash in the official spelling. SwiGLU limits are third-party readings of the real file
+# (ling3_architecture.md §6.3, marked uncertain); a real checkpoint's config.json always wins.
+_FLASH = {
+    "architectures": ["BailingMoeV3ForCausalLM"],
+    "model_type": "bailing_hybrid",
+    "num_hidden_layers": 42,
+    "hidden_size": 2560,
+    "intermediate_size": 6144,
+    "first_k_dense_replace": 2,
+    "num_experts": 512,
+    "num_experts_per_tok": 8,
+    "num_shared_experts": 1,
+    "moe_intermediate_size": 768,
+    "moe_shared_expert_intermediate_size": 768,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "vocab_size": 157184,
+    "tie_word_embeddings": False,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "head_dim": 128,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "rope_theta": 6e6,
+    "rope_scaling": None,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "layer_group_size": 6,
+    "short_conv_kernel_size": 4,
+    "kda_safe_gate": True,
+    "kda_lower_bound": -5.0,
+    "num_nextn_predict_layers": 1,
+    "expert_swiglu_limit_list": [0.0] * 35 + [4.0] * 7,
+    "share_expert_swiglu_limit_list": [0.0] * 34 + [5.0] * 6 + [7.0] * 2,
+    "eos_token_id": 156895,
+    "pad_token_id": 156892,
+}
+
+# A small model with every feature of Flash (both attention kinds, dense + MoE, groups, MTP,
+# SwiGLU limits) for the CLI on a fresh machine and for tests.
+_TINY = {
+    **_FLASH,
+    "num_hidden_layers": 6,
+    "layer_group_size": 3,
+    "first_k_dense_replace": 1,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "n_group": 4,
+    "topk_group": 2,
+    "vocab_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "rope_theta": 10000.0,
+    "expert_swiglu_limit_list": [0, 0, 0, 0, 6.0, 6.0, 6.0],
+    "share_expert_swiglu_limit_list": [0, 0, 0, 0, 0, 8.0, 8.0],
+    "eos_token_id": 511,
+    "pad_token_id": 510,
+}
+
+PRESETS = {"flash": _FLASH, "tiny": _TINY}
+
+
+def preset(name: str) -> LingConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return LingConfig.from_hf(PRESETS[name])

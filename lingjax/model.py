@@ -1,0 +1,285 @@
+"""Ling-3.0-flash (HF `bailing_hybrid`) in Flax NNX.
+
+How it departs from a vanilla decoder-only transformer:
+- Hybrid attention: in each group of `layer_group_size` layers the last is MLA (DeepSeek-V3-style
+  latent attention with a direct q_proj, interleaved rope on 64 dims and a head-wise sigmoid output
+  gate); the others are KDA, a linear attention whose state is a gated delta rule with a per-channel
+  safe gate, fed by a causal short conv.
+- Fine-grained MoE: 512 sigmoid-scored experts, group-limited (noaux_tc) top-8 selection with a bias
+  that steers selection only, one unweighted shared expert, and per-layer SwiGLU clamps.
+- One MTP (NEXTN) layer after the stack that drafts the next-next token for speculation.
+Weights keep the torch [out, in] layout (y = x·Wᵀ) so checkpoints load without transposes.
+
+Every forward is an "extend": T new tokens at absolute positions start..start+T-1 against explicit
+caches. Prefill, decode (T=1), speculative verify (T=S+1) and the cache-free full forward are all
+this one function; the math path (recurrent or chunked KDA, absorbed or expanded MLA, gathered or
+sorted experts) is chosen by T in one place, `paths_for`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lingjax.cache import KDACache, MLACache, ModelCache
+from lingjax.config import KDA, MOE, LingConfig
+from lingjax.ops import kda as kda_ops
+from lingjax.ops import mla as mla_ops
+from lingjax.ops import moe as moe_ops
+from lingjax.ops.norms import gated_rms_norm, l2norm, rms_norm
+from lingjax.ops.rope import rope_interleaved
+
+F32 = jnp.float32
+SMALL_T = 16  # up to this many new tokens the step is decode/verify-shaped
+
+
+@dataclasses.dataclass(frozen=True)
+class Paths:
+    kda_chunked: bool  # chunked KDA form (prefill) instead of the recurrence
+    mla_absorbed: bool  # absorbed MLA (reads the latent cache directly)
+    moe_gathered: bool  # gather the chosen experts per token instead of sorting pairs
+
+
+def paths_for(num_tokens: int) -> Paths:
+    small = num_tokens <= SMALL_T
+    return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small)
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x: [..., in]; w: [out, in] -> [..., out] in x's dtype, f32 accumulation."""
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32).astype(x.dtype)
+
+
+class _Init:
+    """Random initialisation for presets and tests (real weights come from a checkpoint)."""
+
+    def __init__(self, rngs: nnx.Rngs, dtype):
+        self.rngs, self.dtype = rngs, dtype
+
+    def matrix(self, *shape, dtype=None):  # [..., out, in], std 1/sqrt(in)
+        w = jax.random.normal(self.rngs.params(), shape, F32) / jnp.sqrt(shape[-1])
+        return nnx.Param(w.astype(dtype or self.dtype))
+
+    def norm(self, n):
+        return nnx.Param((1.0 + 0.1 * jax.random.normal(self.rngs.params(), (n,), F32)).astype(self.dtype))
+
+    def f32(self, array):
+        return nnx.Param(jnp.asarray(array, F32))
+
+
+class KDAAttention(nnx.Module):
+    def __init__(self, cfg: LingConfig, init: _Init):
+        d, p, h = cfg.hidden_size, cfg.kda_dim, cfg.kda_num_heads
+        key = init.rngs.params
+        self.q_proj, self.k_proj, self.v_proj = (init.matrix(p, d) for _ in range(3))
+        self.f_proj, self.g_proj = init.matrix(p, d), init.matrix(p, d)
+        self.b_proj = init.matrix(h, d)
+        self.q_conv, self.k_conv, self.v_conv = (
+            init.f32(0.5 * jax.random.normal(key(), (p, cfg.conv_size))) for _ in range(3)
+        )
+        self.a_log = init.f32(jnp.log(jax.random.uniform(key(), (h,), minval=1.0, maxval=16.0)))
+        self.dt_bias = init.f32(jax.random.normal(key(), (p,)))
+        self.o_norm = init.norm(cfg.kda_head_dim)
+        self.o_proj = init.matrix(d, p)
+
+    def __call__(self, cfg: LingConfig, x, cache: KDACache, n_valid, paths: Paths):
+        t = x.shape[0]
+        h, dk = cfg.kda_num_heads, cfg.kda_head_dim
+        with jax.named_scope("kda_proj"):
+            qkv = jnp.concatenate([linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)], -1)
+        with jax.named_scope("kda_conv"):
+            conv_w = jnp.concatenate([self.q_conv[...], self.k_conv[...], self.v_conv[...]], 0)
+            qkv, conv = kda_ops.short_conv(qkv, cache.conv, conv_w, n_valid)
+            q, k, v = (a.reshape(t, h, dk) for a in jnp.split(qkv, 3, axis=-1))
+        with jax.named_scope("kda_gate"):
+            valid = (jnp.arange(t) < n_valid)[:, None]
+            g = kda_ops.kda_gate(linear(x, self.f_proj).reshape(t, h, dk), self.a_log[...], self.dt_bias[...],
+                                 cfg.kda_safe_gate, cfg.kda_lower_bound)
+            g = jnp.where(valid[..., None], g, 0.0)  # padding rows: no decay ...
+            beta = jnp.where(valid, jax.nn.sigmoid(linear(x, self.b_proj).astype(F32)), 0.0)  # ... and no write
+            q = l2norm(q) * dk**-0.5
+            k = l2norm(k)
+        with jax.named_scope("kda_recurrence"):
+            core = kda_ops.kda_chunked if paths.kda_chunked else kda_ops.kda_recurrent
+            o, state = core(q, k, v, g, beta, cache.state)
+        with jax.named_scope("kda_out"):
+            gate = linear(x, self.g_proj).reshape(t, h, dk)
+            y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)
+            y = linear(y.reshape(t, h * dk), self.o_proj)
+        return y, KDACache(state=state, conv=conv)
+
+
+class MLAAttention(nnx.Module):
+    def __init__(self, cfg: LingConfig, init: _Init):
+        d, h = cfg.hidden_size, cfg.num_heads
+        self.q_proj = init.matrix(h * cfg.qk_head_dim, d)
+        self.kv_a_proj = init.matrix(cfg.mla_cache_dim, d)
+        self.kv_a_norm = init.norm(cfg.kv_lora_rank)
+        self.kv_b_proj = init.matrix(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        self.g_proj = init.matrix(h, d)
+        self.o_proj = init.matrix(d, h * cfg.v_head_dim)
+
+    def __call__(self, cfg: LingConfig, x, cache: MLACache, positions, paths: Paths):
+        t = x.shape[0]
+        h, n, r, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        with jax.named_scope("mla_proj"):
+            q = linear(x, self.q_proj).reshape(t, h, n + r)
+            q_nope, q_pe = q[..., :n], rope_interleaved(q[..., n:], positions, cfg.rope_theta)
+            kva = linear(x, self.kv_a_proj)
+            c = rms_norm(kva[:, :lat], self.kv_a_norm[...], cfg.rms_norm_eps)
+            k_pe = rope_interleaved(kva[:, lat:], positions, cfg.rope_theta)
+        with jax.named_scope("mla_cache_write"):
+            entry = jnp.concatenate([c, k_pe], -1).astype(cache.latent.dtype)
+            latent = jax.lax.dynamic_update_slice_in_dim(cache.latent, entry, positions[0], axis=0)
+        with jax.named_scope("mla_attention"):
+            core = mla_ops.mla_absorbed if paths.mla_absorbed else mla_ops.mla_expanded
+            o = core(q_nope, q_pe, latent[:, :lat], latent[:, lat:], self.kv_b_proj[...], positions,
+                     cfg.qk_head_dim**-0.5)
+        with jax.named_scope("mla_out"):
+            gate = jax.nn.sigmoid(linear(x, self.g_proj).astype(F32))  # [T, H]
+            o = (o * gate[..., None]).astype(x.dtype).reshape(t, h * cfg.v_head_dim)
+            y = linear(o, self.o_proj)
+        return y, MLACache(latent=latent)
+
+
+class DenseMLP(nnx.Module):
+    def __init__(self, cfg: LingConfig, init: _Init, width: int, limit: float = 0.0):
+        d = cfg.hidden_size
+        self.gate_proj, self.up_proj, self.down_proj = init.matrix(width, d), init.matrix(width, d), init.matrix(d, width)
+        self.limit = limit
+
+    def __call__(self, x):  # -> f32
+        return moe_ops.mlp(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.limit)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: LingConfig, init: _Init, layer_id: int):
+        d, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.router = init.matrix(e, d)
+        self.router_bias = init.f32(0.1 * jax.random.normal(init.rngs.params(), (e,)))
+        self.w_gate, self.w_up, self.w_down = init.matrix(e, i, d), init.matrix(e, i, d), init.matrix(e, d, i)
+        self.limit = cfg.swiglu_limit(layer_id, shared=False)
+        self.shared = (
+            DenseMLP(cfg, init, cfg.shared_intermediate_size, cfg.swiglu_limit(layer_id, shared=True))
+            if cfg.shared_intermediate_size else None
+        )
+
+    def __call__(self, cfg: LingConfig, x, paths: Paths):
+        with jax.named_scope("moe_router"):
+            weights, experts = moe_ops.route(
+                x, self.router[...], self.router_bias[...], top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor, renormalize=cfg.norm_topk_prob,
+            )
+        with jax.named_scope("moe_experts"):
+            run = moe_ops.experts_gathered if paths.moe_gathered else moe_ops.experts_sorted
+            y = run(x, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
+        if self.shared is not None:
+            with jax.named_scope("moe_shared"):
+                y = y + self.shared(x)
+        return y.astype(x.dtype)  # one rounding of routed + shared
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: h = x + Attn(norm(x)); y = h + FFN(norm(h))."""
+
+    def __init__(self, cfg: LingConfig, init: _Init, layer_id: int, attn_kind: str, mlp_kind: str):
+        self.input_norm = init.norm(cfg.hidden_size)
+        self.post_norm = init.norm(cfg.hidden_size)
+        self.attn = KDAAttention(cfg, init) if attn_kind == KDA else MLAAttention(cfg, init)
+        self.mlp = MoE(cfg, init, layer_id) if mlp_kind == MOE else DenseMLP(cfg, init, cfg.intermediate_size)
+
+    def __call__(self, cfg: LingConfig, x, cache, positions, n_valid, paths: Paths):
+        a = rms_norm(x, self.input_norm[...], cfg.rms_norm_eps)
+        if isinstance(self.attn, KDAAttention):
+            a, cache = self.attn(cfg, a, cache, n_valid, paths)
+        else:
+            a, cache = self.attn(cfg, a, cache, positions, paths)
+        h = x + a
+        m = rms_norm(h, self.post_norm[...], cfg.rms_norm_eps)
+        m = self.mlp(cfg, m, paths) if isinstance(self.mlp, MoE) else self.mlp(m).astype(x.dtype)
+        return h + m, cache
+
+
+class MTPLayer(nnx.Module):
+    """NEXTN draft layer (ling3_architecture.md §7): [embed(x_{p+1}); h_p] -> MLA + MoE block -> z_p."""
+
+    def __init__(self, cfg: LingConfig, init: _Init):
+        self.enorm, self.hnorm = init.norm(cfg.hidden_size), init.norm(cfg.hidden_size)
+        self.eh_proj = init.matrix(cfg.hidden_size, 2 * cfg.hidden_size)
+        self.block = DecoderLayer(cfg, init, cfg.mtp_layer_id, "mla", MOE)
+        self.final_norm = init.norm(cfg.hidden_size)
+
+    def __call__(self, cfg: LingConfig, embedded, hidden, cache: MLACache, positions):
+        """embedded: [T, D] embeddings of x_{p+1}; hidden: [T, D] target hidden h_p (post final norm).
+        Returns (z [T, D] post final_layernorm, cache)."""
+        eps = cfg.rms_norm_eps
+        u = jnp.concatenate([rms_norm(embedded, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)], -1)
+        u = linear(u, self.eh_proj)
+        u, cache = self.block(cfg, u, cache, positions, u.shape[0], paths_for(u.shape[0]))
+        return rms_norm(u, self.final_norm[...], eps), cache
+
+
+class LingModel(nnx.Module):
+    def __init__(self, cfg: LingConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None,
+                 with_mtp: bool | None = None):
+        init = _Init(rngs or nnx.Rngs(0), dtype)
+        d = cfg.hidden_size
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed = init.matrix(cfg.vocab_size, d)
+        self.layers = nnx.List(
+            DecoderLayer(cfg, init, i, a, m) for i, (a, m) in enumerate(zip(cfg.layer_types, cfg.mlp_types))
+        )
+        self.final_norm = init.norm(d)
+        self.lm_head = init.matrix(cfg.vocab_size, d)
+        with_mtp = cfg.num_nextn_predict_layers > 0 if with_mtp is None else with_mtp
+        self.mtp = MTPLayer(cfg, init) if with_mtp else None
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None
+
+    def embed_tokens(self, tokens):
+        return self.embed[...][tokens]
+
+    def forward(self, tokens, cache: ModelCache, start, n_valid):
+        """tokens: [T] int32 at positions start..start+T-1, of which the first n_valid are real.
+        Returns (hidden [T, D] after the final norm, updated cache)."""
+        cfg = self.cfg
+        paths = paths_for(tokens.shape[0])
+        positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        x = self.embed_tokens(tokens)
+        new_layers = []
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
+            with jax.named_scope(f"layer{i}_{cfg.layer_types[i]}"):
+                x, layer_cache = layer(cfg, x, layer_cache, positions, n_valid, paths)
+            new_layers.append(layer_cache)
+        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        return x, dataclasses.replace(cache, layers=tuple(new_layers))
+
+    def lm_logits(self, hidden):
+        """hidden: [..., D] -> f32 logits [..., V]."""
+        with jax.named_scope("lm_head"):
+            return jnp.einsum("...d,vd->...v", hidden, self.lm_head[...], preferred_element_type=F32)
+
+    def mtp_forward(self, tokens, hidden, cache: ModelCache, start):
+        """MTP rows at positions start..start+T-1 with (x_{p+1} = tokens, h_p = hidden).
+        Returns (z [T, D], updated cache)."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP layer")
+        positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        with jax.named_scope("mtp"):
+            z, mtp_cache = self.mtp(self.cfg, self.embed_tokens(tokens), hidden, cache.mtp, positions)
+        return z, dataclasses.replace(cache, mtp=mtp_cache)
+
+
+def abstract_model(cfg: LingConfig, dtype=jnp.bfloat16, with_mtp: bool | None = None) -> LingModel:
+    """The model's structure with ShapeDtypeStructs for leaves: no memory is touched."""
+    return nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), with_mtp=with_mtp))
+
+
+def param_count(model: LingModel) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,99 @@
+"""Kimi Delta Attention, Ling variant (ling3_architecture.md §3): conv, gate, recurrence.
+
+Shapes: T tokens, H heads, K = V = d head dim, C = 3·H·d conv channels, W conv width.
+The state S_h is [K, V] (rows = key channels), kept in f32.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def short_conv(x: jax.Array, window: jax.Array, weight: jax.Array, n_valid) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise conv + SiLU over new inputs, continuing from the cached window.
+
+    x: [T, C] pre-conv inputs; window: [W-1, C] the last W-1 pre-conv inputs before x;
+    weight: [C, W] (weight[:, W-1] multiplies the current token). Rows >= n_valid are padding.
+    Returns (silu(conv) [T, C] f32, window after the n_valid-th input [W-1, C]).
+    """
+    width = weight.shape[1]
+    xcat = jnp.concatenate([window.astype(x.dtype), x], axis=0)  # [W-1+T, C]
+    xf = xcat.astype(jnp.float32)
+    t = x.shape[0]
+    out = sum(weight[:, j].astype(jnp.float32) * xf[j : j + t] for j in range(width))
+    new_window = jax.lax.dynamic_slice_in_dim(xcat, n_valid, width - 1, axis=0)
+    return jax.nn.silu(out), new_window.astype(window.dtype)
+
+
+def kda_gate(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array, safe: bool, lower_bound: float) -> jax.Array:
+    """Per-channel log decay g (f32). f: [T, H, d]; a_log: [H]; dt_bias: [H*d] -> g: [T, H, d]."""
+    h, d = f.shape[-2:]
+    x = f.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(h, d)
+    rate = jnp.exp(a_log.astype(jnp.float32))[:, None]  # [H, 1]
+    if safe:
+        return lower_bound * jax.nn.sigmoid(rate * x)  # in (lower_bound, 0)
+    return -rate * jax.nn.softplus(x)
+
+
+def kda_step(state, q, k, v, g, beta):
+    """One token of the gated delta rule, in the order of §3.6. state: [H, K, V]; q, k, g: [H, K]; v: [H, V]."""
+    state = state * jnp.exp(g)[:, :, None]  # decay rows
+    u = jnp.einsum("hkv,hk->hv", state, k)  # predict
+    delta = beta[:, None] * (v - u)  # delta
+    state = state + k[:, :, None] * delta[:, None, :]  # write
+    o = jnp.einsum("hkv,hk->hv", state, q)  # read the updated state
+    return state, o
+
+
+def kda_recurrent(q, k, v, g, beta, state, return_states: bool = False):
+    """Token-by-token recurrence. q (normalised, scaled), k (normalised), g: [T, H, K]; v: [T, H, V];
+    beta: [T, H]; state: [H, K, V] f32. Returns (o [T, H, V] f32, final state[, states after each token
+    [T, H, K, V]])."""
+
+    def body(s, xs):
+        s, o = kda_step(s, *xs)
+        return s, (o, s) if return_states else (o, None)
+
+    xs = tuple(a.astype(jnp.float32) for a in (q, k, v, g, beta))
+    final, (o, states) = jax.lax.scan(body, state.astype(jnp.float32), xs)
+    return (o, final, states) if return_states else (o, final)
+
+
+def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
+    """Chunked form of kda_recurrent (same math up to rounding), for prefill. Same arguments and
+    result as kda_recurrent without return_states. Padding rows (g = 0, beta = 0) leave the state as is."""
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def prep(a):
+        a = jnp.pad(a.astype(jnp.float32), [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape((n, chunk) + a.shape[1:]).swapaxes(1, 2)  # [n, H, C, ...]
+
+    qc, kc, vc, gc, bc = prep(q), prep(k), prep(v), prep(g), prep(beta)  # bc: [n, H, C]
+    causal = jnp.tril(jnp.ones((chunk, chunk), dtype=bool))  # i <= t
+    strict = jnp.tril(jnp.ones((chunk, chunk), dtype=bool), -1)  # i < t
+    eye = jnp.eye(chunk, dtype=jnp.float32)
+
+    def body(s0, xs):
+        qi, ki, vi, gi, bi = xs  # [H, C, K], [H, C, K], [H, C, V], [H, C, K], [H, C]
+        big_g = jnp.cumsum(gi, axis=1)  # G_t = Σ_{i<=t} g_i
+        # exp(G_t - G_i) for i <= t only; masking the exponent first keeps exp from overflowing.
+        diff = big_g[:, :, None, :] - big_g[:, None, :, :]  # [H, C(t), C(i), K]
+        decay = jnp.exp(jnp.where(causal[None, :, :, None], diff, -jnp.inf))
+        kk = jnp.einsum("htk,hik,htik->hti", ki, ki, decay)
+        m = jnp.where(strict, bi[:, :, None] * kk, 0.0)  # M[t, i], i < t
+        rhs = jnp.concatenate([bi[..., None] * vi, (bi[..., None] * ki) * jnp.exp(big_g)], axis=-1)
+        sol = jax.scipy.linalg.solve_triangular(eye + m, rhs, lower=True, unit_diagonal=True)
+        u, wk = sol[..., :dv], sol[..., dv:]
+        v_new = u - jnp.einsum("hck,hkv->hcv", wk, s0)  # [H, C, V]
+        qk = jnp.einsum("htk,hik,htik->hti", qi, ki, decay)  # zero above the diagonal
+        o = jnp.einsum("hck,hkv->hcv", qi * jnp.exp(big_g), s0) + jnp.einsum("hti,hiv->htv", qk, v_new)
+        g_last = big_g[:, -1, :]  # [H, K]
+        k_dec = ki * jnp.exp(g_last[:, None, :] - big_g)
+        s1 = jnp.exp(g_last)[:, :, None] * s0 + jnp.einsum("hck,hcv->hkv", k_dec, v_new)
+        return s1, o
+
+    final, o = jax.lax.scan(body, state.astype(jnp.float32), (qc, kc, vc, gc, bc))
+    o = o.swapaxes(1, 2).reshape(n * chunk, h, dv)[:t]
+    return o, final

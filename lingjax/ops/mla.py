@@ -1,0 +1,46 @@
+"""Gated MLA attention core over a latent cache (ling3_architecture.md §4).
+
+The cache holds, per token, the normalised latent c [R] and the roped shared key k_pe [r].
+Two equal forms: `mla_expanded` (expand keys/values through kv_b_proj: prefill) and
+`mla_absorbed` (fold kv_b_proj into the query and output: decode and verify). Query row t sits
+at absolute position positions[t] and sees cache slots j <= positions[t].
+"""
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def _masked_softmax(scores: jax.Array, positions: jax.Array) -> jax.Array:
+    """scores: [T, H, L] f32 -> causal softmax over slots j <= positions[t]."""
+    slots = jnp.arange(scores.shape[-1])
+    visible = slots[None, None, :] <= positions[:, None, None]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def mla_expanded(q_nope, q_pe, latent, k_pe, w_kvb, positions, scale):
+    """q_nope: [T, H, n]; q_pe: [T, H, r]; latent: [L, R]; k_pe: [L, r]; w_kvb: [H*(n+v), R].
+    Returns o: [T, H, v] f32."""
+    h, n = q_nope.shape[1:]
+    kv = jnp.einsum("lr,or->lo", latent, w_kvb, preferred_element_type=F32)
+    kv = kv.reshape(latent.shape[0], h, -1)  # [L, H, n+v]
+    k_nope, v = kv[..., :n], kv[..., n:]
+    scores = jnp.einsum("thn,lhn->thl", q_nope.astype(F32), k_nope)
+    scores += jnp.einsum("thr,lr->thl", q_pe.astype(F32), k_pe.astype(F32))
+    p = _masked_softmax(scores * scale, positions)
+    return jnp.einsum("thl,lhv->thv", p, v)
+
+
+def mla_absorbed(q_nope, q_pe, latent, k_pe, w_kvb, positions, scale):
+    """Same arguments and result as mla_expanded; never materialises per-head keys."""
+    h, n = q_nope.shape[1:]
+    w = w_kvb.reshape(h, -1, w_kvb.shape[-1]).astype(F32)  # [H, n+v, R]
+    w_uk, w_uv = w[:, :n], w[:, n:]
+    q_lat = jnp.einsum("thn,hnr->thr", q_nope.astype(F32), w_uk)  # [T, H, R]
+    scores = jnp.einsum("thr,lr->thl", q_lat, latent.astype(F32))
+    scores += jnp.einsum("thr,lr->thl", q_pe.astype(F32), k_pe.astype(F32))
+    p = _masked_softmax(scores * scale, positions)
+    ctx = jnp.einsum("thl,lr->thr", p, latent.astype(F32))  # [T, H, R]
+    return jnp.einsum("thr,hvr->thv", ctx, w_uv)

@@ -1,0 +1,82 @@
+"""noaux_tc routing and SwiGLU experts (ling3_architecture.md §5, §6)."""
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize):
+    """Group-limited sigmoid routing; the bias steers selection only.
+
+    x: [T, D]; router_w: [E, D]; bias: [E] f32. Returns (weights [T, k] f32, experts [T, k] int32).
+    """
+    logits = jnp.einsum("td,ed->te", x.astype(F32), router_w.astype(F32))
+    scores = jax.nn.sigmoid(logits)
+    sel = scores + bias.astype(F32)
+    t, e = sel.shape
+    grouped = sel.reshape(t, n_group, e // n_group)
+    group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]: sum of the two largest
+    _, keep = jax.lax.top_k(group_score, topk_group)
+    group_mask = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
+    sel = jnp.where(jnp.repeat(group_mask, e // n_group, axis=1), sel, -jnp.inf)
+    _, experts = jax.lax.top_k(sel, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=1)  # raw scores, not biased
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * scaling, experts.astype(jnp.int32)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """SiLU(g)·u in f32; with a limit L: min(SiLU(g), L)·clip(u, -L, L) (clamp after SiLU)."""
+    act = jax.nn.silu(gate.astype(F32))
+    up = up.astype(F32)
+    if limit:
+        act = jnp.minimum(act, limit)
+        up = jnp.clip(up, -limit, limit)
+    return act * up
+
+
+def mlp(x, w_gate, w_up, w_down, limit: float = 0.0):
+    """Dense SwiGLU MLP (also the shared expert). x: [T, D]; w_gate/w_up: [F, D]; w_down: [D, F] -> [T, D] f32."""
+    g = jnp.einsum("td,fd->tf", x, w_gate, preferred_element_type=F32)
+    u = jnp.einsum("td,fd->tf", x, w_up, preferred_element_type=F32)
+    h = swiglu(g, u, limit).astype(x.dtype)
+    return jnp.einsum("tf,df->td", h, w_down, preferred_element_type=F32)
+
+
+def experts_gathered(x, w_gate, w_up, w_down, weights, experts, limit: float = 0.0):
+    """Batch-1 path: gather the chosen experts per (token, slot) pair.
+
+    x: [T, D]; w_gate/w_up: [E, I, D]; w_down: [E, D, I]; weights, experts: [T, k].
+    Returns Σ_k w·E_k(x) as [T, D] f32.
+    """
+    g = jnp.einsum("td,tkid->tki", x, w_gate[experts], preferred_element_type=F32)
+    u = jnp.einsum("td,tkid->tki", x, w_up[experts], preferred_element_type=F32)
+    h = swiglu(g, u, limit).astype(x.dtype)
+    y = jnp.einsum("tki,tkdi->tkd", h, w_down[experts], preferred_element_type=F32)
+    return jnp.einsum("tkd,tk->td", y, weights)
+
+
+def experts_sorted(x, w_gate, w_up, w_down, weights, experts, limit: float = 0.0):
+    """Prefill path: sort (token, slot) pairs by expert and run grouped GEMMs (ragged_dot).
+
+    Same arguments and result as experts_gathered; cost scales with tokens, not with T·k weight copies.
+    """
+    t, k = experts.shape
+    e = w_gate.shape[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token_of = order // k
+    xs = x[token_of]  # [T*k, D]
+    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    # Contract x's D with the experts' last dim; the group dim is 0. No weight transposes.
+    dn_in = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+    )
+    g = jax.lax.ragged_dot_general(xs, w_gate, group_sizes, dn_in, preferred_element_type=F32)
+    u = jax.lax.ragged_dot_general(xs, w_up, group_sizes, dn_in, preferred_element_type=F32)
+    h = swiglu(g, u, limit).astype(x.dtype)
+    y = jax.lax.ragged_dot_general(h, w_down, group_sizes, dn_in, preferred_element_type=F32)  # [T*k, D]
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((t, x.shape[1]), F32).at[token_of].add(y)

@@ -1,0 +1,41 @@
+"""Shared test helpers. Inputs are drawn fresh each run (seeded by the test's parameters plus a
+per-session salt), never zeros; comparisons are relative to the reference's scale."""
+
+import os
+import zlib
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# A fresh salt per session (printed, so a failure can be replayed with LINGJAX_TEST_SALT).
+SALT = int(os.environ.get("LINGJAX_TEST_SALT", np.random.SeedSequence().entropy % 2**31))
+
+
+def pytest_report_header(config):
+    return f"lingjax test salt: {SALT} (replay with LINGJAX_TEST_SALT={SALT})"
+
+
+def key_for(*parts) -> jax.Array:
+    return jax.random.key(zlib.crc32(repr((SALT,) + parts).encode()) % 2**31)
+
+
+def rel_err(got, want) -> float:
+    """max |got - want| / max |want|; NaN anywhere fails."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(got).all(), "non-finite values in result"
+    assert np.isfinite(want).all(), "non-finite values in reference"
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def fixture_dirs():
+    return sorted(p for p in FIXTURES.iterdir() if (p / "reference.npz").exists()) if FIXTURES.exists() else []
+
+
+@pytest.fixture(params=fixture_dirs(), ids=lambda p: p.name)
+def hf_fixture(request):
+    return request.param

@@ -1,0 +1,129 @@
+"""The generation loop and the command line."""
+
+import functools
+
+import numpy as np
+import pytest
+
+import lingjax
+from lingjax import cli
+from lingjax import engine as engine
+
+
+@functools.cache
+def _tiny(dtype="float32"):
+    return lingjax.load("tiny", dtype=dtype, seed=3)
+
+
+def _greedy_by_full_forward(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(np.argmax(model.logits(seq)[-1])))
+    return seq[len(prompt):]
+
+
+def _prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 500, n).tolist()
+
+
+def test_greedy_equals_full_forward_argmax():
+    model = _tiny()
+    prompt = _prompt(11)
+    result = lingjax.generate(model, prompt, 12, ignore_eos=True)
+    assert result.tokens == _greedy_by_full_forward(model, prompt, 12)
+    assert len(result.token_times_s) == 12 and result.ttft_s > 0 and result.tpot_mean_s > 0
+
+
+def test_prompt_longer_than_one_prefill_chunk():
+    model = _tiny()
+    prompt = _prompt(engine.PREFILL_CHUNK + 77, seed=1)
+    result = lingjax.generate(model, prompt, 3, ignore_eos=True)
+    assert result.tokens == _greedy_by_full_forward(model, prompt, 3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_max_new_tokens(n):
+    result = lingjax.generate(_tiny(), _prompt(5), n, ignore_eos=True)
+    assert len(result.tokens) == n and result.stop_reason == "length"
+
+
+def test_stop_ids_cut_generation():
+    model = _tiny()
+    prompt = _prompt(6, seed=2)
+    full = lingjax.generate(model, prompt, 10, ignore_eos=True).tokens
+    stop = full[4]
+    cut = full.index(stop) + 1  # the first occurrence
+    result = lingjax.generate(model, prompt, 10, stop_ids=[stop], ignore_eos=True)
+    assert result.tokens == full[:cut] and result.stop_reason == "stop"
+
+
+def test_config_eos_stops_unless_ignored():
+    model = _tiny()
+    prompt = _prompt(6, seed=2)
+    full = lingjax.generate(model, prompt, 10, ignore_eos=True).tokens
+    import dataclasses
+
+    eos_model = lingjax.Model(model.module, source="test")
+    eos_model.cfg = dataclasses.replace(model.cfg, eos_token_ids=(full[2],))
+    result = lingjax.generate(eos_model, prompt, 10)
+    assert result.tokens == full[: full.index(full[2]) + 1] and result.stop_reason == "stop"
+
+
+def test_sampling_is_seeded_and_respects_top_k():
+    model = _tiny()
+    prompt = _prompt(7, seed=4)
+    a = lingjax.generate(model, prompt, 16, temperature=1.5, seed=11, ignore_eos=True).tokens
+    b = lingjax.generate(model, prompt, 16, temperature=1.5, seed=11, ignore_eos=True).tokens
+    c = lingjax.generate(model, prompt, 16, temperature=1.5, seed=12, ignore_eos=True).tokens
+    assert a == b and a != c
+    greedy = lingjax.generate(model, prompt, 16, ignore_eos=True).tokens
+    assert lingjax.generate(model, prompt, 16, temperature=0.7, top_k=1, seed=5, ignore_eos=True).tokens == greedy
+    top3 = lingjax.generate(model, prompt, 1, temperature=5.0, top_k=3, seed=9, ignore_eos=True).tokens[0]
+    assert top3 in np.argsort(-model.logits(prompt)[-1])[:3]
+
+
+def test_host_reads_go_through_host_read(monkeypatch):
+    reads = []
+    original = engine.host_read
+    monkeypatch.setattr(engine, "host_read", lambda x: reads.append(1) or original(x))
+    result = lingjax.generate(_tiny(), _prompt(5), 6, ignore_eos=True)
+    assert len(reads) == len(result.tokens) == 6  # one read per token, nothing else
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(prompt_ids=[], max_new_tokens=3), "empty"),
+    (dict(prompt_ids=[1, 512], max_new_tokens=3), "outside the vocabulary"),
+    (dict(prompt_ids=[1], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_ids=[1], max_new_tokens=2, temperature=-1.0), "temperature"),
+])
+def test_bad_requests(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        lingjax.generate(_tiny(), **kwargs)
+
+
+def test_pallas_kernels_not_yet():
+    with pytest.raises(NotImplementedError):
+        lingjax.load("tiny", kernels="pallas")
+
+
+def test_cli_generate_streams_tokens(capsys):
+    assert cli.main(["generate", "--model", "tiny", "--prompt-ids", "1 2 3", "--max-new-tokens", "5",
+                     "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    tokens = [int(t) for t in out.split()]
+    assert len(tokens) == 5 and all(0 <= t < 512 for t in tokens)
+    assert "TTFT" in err and "TPOT" in err
+    bf16 = lingjax.load("tiny", dtype="bfloat16", seed=0)
+    assert tokens == lingjax.generate(bf16, [1, 2, 3], 5, ignore_eos=True).tokens
+
+
+def test_cli_info_flash(capsys):
+    assert cli.main(["info", "--model", "flash"]) == 0
+    out = capsys.readouterr().out
+    assert "124.41 B without MTP" in out and "127.49 B with MTP" in out
+
+
+def test_cli_reports_bad_checkpoint(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    assert cli.main(["generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1"]) == 2
+    assert "lingjax: error:" in capsys.readouterr().err
