@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lingjax.model import SMALL_T
 from lingjax.runtime import Model, _check_ids
 from lingjax.sampling import SamplingParams
 
@@ -44,16 +45,22 @@ def host_read(x: jax.Array) -> np.ndarray:
     return np.asarray(x)
 
 
-def _bucket(n: int) -> int:
+def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def prefill_bucket(n: int) -> int:
+    """Padded length of a prompt chunk: a power of two above SMALL_T, so a padded chunk always takes
+    the chunked path (the decode-shaped path assumes every row is valid)."""
+    return max(2 * SMALL_T, _pow2(n))
 
 
 def cache_capacity(prompt_len: int, max_new_tokens: int) -> int:
     """Slots for the (chunk-padded) prompt and every new token, rounded to a power of two so few
     capacities (and so few compiled decode programs) ever exist."""
     full, rest = divmod(prompt_len, PREFILL_CHUNK)
-    padded = full * PREFILL_CHUNK + (_bucket(rest) if rest else 0)
-    return max(MIN_CAPACITY, _bucket(max(padded, prompt_len + max_new_tokens) + 1))
+    padded = full * PREFILL_CHUNK + (prefill_bucket(rest) if rest else 0)
+    return max(MIN_CAPACITY, _pow2(max(padded, prompt_len + max_new_tokens) + 1))
 
 
 def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
@@ -77,7 +84,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
     token = None
     for start in range(0, prompt.size, PREFILL_CHUNK):
         chunk = prompt[start : start + PREFILL_CHUNK]
-        padded = np.zeros(_bucket(chunk.size), np.int32)
+        padded = np.zeros(prefill_bucket(chunk.size), np.int32)
         padded[: chunk.size] = chunk
         token, _, cache = model._prefill(model.params, cache, jnp.asarray(padded), jnp.int32(start),
                                          jnp.int32(chunk.size), jax.random.fold_in(base_key, 0), sampling=sampling)

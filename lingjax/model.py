@@ -29,7 +29,7 @@ from lingjax.config import KDA, MOE, LingConfig
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
-from lingjax.ops.norms import gated_rms_norm, l2norm, rms_norm
+from lingjax.ops.norms import gated_rms_norm, rms_norm
 from lingjax.ops.rope import rope_interleaved
 
 F32 = jnp.float32
@@ -90,21 +90,18 @@ class KDAAttention(nnx.Module):
         h, dk = cfg.kda_num_heads, cfg.kda_head_dim
         with jax.named_scope("kda_proj"):
             qkv = jnp.concatenate([linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)], -1)
-        with jax.named_scope("kda_conv"):
-            conv_w = jnp.concatenate([self.q_conv[...], self.k_conv[...], self.v_conv[...]], 0)
-            qkv, conv = kda_ops.short_conv(qkv, cache.conv, conv_w, n_valid)
-            q, k, v = (a.reshape(t, h, dk) for a in jnp.split(qkv, 3, axis=-1))
         with jax.named_scope("kda_gate"):
-            valid = (jnp.arange(t) < n_valid)[:, None]
-            g = kda_ops.kda_gate(linear(x, self.f_proj).reshape(t, h, dk), self.a_log[...], self.dt_bias[...],
-                                 cfg.kda_safe_gate, cfg.kda_lower_bound)
-            g = jnp.where(valid[..., None], g, 0.0)  # padding rows: no decay ...
-            beta = jnp.where(valid, jax.nn.sigmoid(linear(x, self.b_proj).astype(F32)), 0.0)  # ... and no write
-            q = l2norm(q) * dk**-0.5
-            k = l2norm(k)
+            f, b = linear(x, self.f_proj), linear(x, self.b_proj)
+        conv_w = jnp.concatenate([self.q_conv[...], self.k_conv[...], self.v_conv[...]], 0)
+        args = (qkv, f, b, cache.conv, conv_w, self.a_log[...], self.dt_bias[...])
+        gate_cfg = dict(num_heads=h, safe_gate=cfg.kda_safe_gate, lower_bound=cfg.kda_lower_bound)
         with jax.named_scope("kda_recurrence"):
-            core = kda_ops.kda_chunked if paths.kda_chunked else kda_ops.kda_recurrent
-            o, state = core(q, k, v, g, beta, cache.state)
+            if paths.kda_chunked:
+                q, k, v, g, beta, conv = kda_ops.kda_prepare(*args, n_valid, **gate_cfg)
+                o, state = kda_ops.kda_chunked(q, k, v, g, beta, cache.state)
+            else:  # every row is valid on this path (prefill pads only to chunked sizes)
+                o, staged = kda_ops.kda_chain(*args, cache.state, **gate_cfg)
+                state, conv = staged[-1], kda_ops.conv_windows(cache.conv, qkv)[-1]
         with jax.named_scope("kda_out"):
             gate = linear(x, self.g_proj).reshape(t, h, dk)
             y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)

@@ -7,6 +7,8 @@ The state S_h is [K, V] (rows = key channels), kept in f32.
 import jax
 import jax.numpy as jnp
 
+from lingjax.ops.norms import l2norm
+
 
 def short_conv(x: jax.Array, window: jax.Array, weight: jax.Array, n_valid) -> tuple[jax.Array, jax.Array]:
     """Causal depthwise conv + SiLU over new inputs, continuing from the cached window.
@@ -32,6 +34,48 @@ def kda_gate(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array, safe: bool, low
     if safe:
         return lower_bound * jax.nn.sigmoid(rate * x)  # in (lower_bound, 0)
     return -rate * jax.nn.softplus(x)
+
+
+def conv_windows(window: jax.Array, x: jax.Array) -> jax.Array:
+    """The conv window after each of the T new inputs: [T, W-1, C] (row r = last W-1 of [window; x_0..x_r]).
+    What speculation stages per position; commit picks the accepted row."""
+    w1, t = window.shape[0], x.shape[0]
+    xcat = jnp.concatenate([window.astype(x.dtype), x], axis=0)
+    idx = jnp.arange(t)[:, None] + 1 + jnp.arange(w1)[None, :]
+    return xcat[idx].astype(window.dtype)
+
+
+def kda_prepare(qkv, f, b, window, conv_w, a_log, dt_bias, n_valid, *, num_heads, safe_gate, lower_bound):
+    """Everything before the recurrence, from the layer's raw projections.
+
+    qkv: [T, 3P] pre-conv q|k|v projections; f: [T, P] f_proj; b: [T, H] b_proj; window: [W-1, 3P];
+    conv_w: [3P, W] f32; a_log: [H]; dt_bias: [P]. Rows >= n_valid are padding: g = 0 and beta = 0
+    there, so the recurrence leaves the state untouched.
+    Returns q (l2-normalised, scaled by d^-0.5), k (l2-normalised), v: [T, H, d] f32; g: [T, H, d];
+    beta: [T, H] (sigmoid applied here, exactly once); the conv window after row n_valid-1.
+    """
+    t = qkv.shape[0]
+    x, new_window = short_conv(qkv, window, conv_w, n_valid)
+    q, k, v = (a.reshape(t, num_heads, -1) for a in jnp.split(x, 3, axis=-1))
+    d = q.shape[-1]
+    valid = (jnp.arange(t) < n_valid)[:, None]
+    g = kda_gate(f.reshape(t, num_heads, d), a_log, dt_bias, safe_gate, lower_bound)
+    g = jnp.where(valid[..., None], g, 0.0)
+    beta = jnp.where(valid, jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
+    return l2norm(q) * d**-0.5, l2norm(k), v, g, beta, new_window
+
+
+def kda_chain(qkv, f, b, window, conv_w, a_log, dt_bias, state, *, num_heads, safe_gate, lower_bound):
+    """Decode / verify over T new tokens, all valid: the contract of the fused chain-verify kernel.
+
+    Arguments as kda_prepare (without n_valid) plus the committed state [H, K, V] f32, which is only read.
+    Returns (o [T, H, V] f32 core output before the output norm, staged [T, H, K, V] f32: the state
+    after each row). The conv windows to stage come from conv_windows(window, qkv).
+    """
+    q, k, v, g, beta, _ = kda_prepare(qkv, f, b, window, conv_w, a_log, dt_bias, qkv.shape[0],
+                                      num_heads=num_heads, safe_gate=safe_gate, lower_bound=lower_bound)
+    o, _, staged = kda_recurrent(q, k, v, g, beta, state, return_states=True)
+    return o, staged
 
 
 def kda_step(state, q, k, v, g, beta):
