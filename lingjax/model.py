@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lingjax import kernels
 from lingjax.cache import KDACache, MLACache, ModelCache
 from lingjax.config import KDA, MOE, LingConfig
 from lingjax.ops import kda as kda_ops
@@ -41,11 +42,15 @@ class Paths:
     kda_chunked: bool  # chunked KDA form (prefill) instead of the recurrence
     mla_absorbed: bool  # absorbed MLA (reads the latent cache directly)
     moe_gathered: bool  # gather the chosen experts per token instead of sorting pairs
+    kernels: str = "xla"  # implementation set, see lingjax.kernels
+
+    def op(self, name: str):
+        return kernels.get(name, self.kernels)
 
 
-def paths_for(num_tokens: int) -> Paths:
+def paths_for(num_tokens: int, kernel_set: str = "xla") -> Paths:
     small = num_tokens <= SMALL_T
-    return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small)
+    return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small, kernels=kernel_set)
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -98,9 +103,9 @@ class KDAAttention(nnx.Module):
         with jax.named_scope("kda_recurrence"):
             if paths.kda_chunked:
                 q, k, v, g, beta, conv = kda_ops.kda_prepare(*args, n_valid, **gate_cfg)
-                o, state = kda_ops.kda_chunked(q, k, v, g, beta, cache.state)
+                o, state = paths.op("kda_chunked")(q, k, v, g, beta, cache.state)
             else:  # every row is valid on this path (prefill pads only to chunked sizes)
-                o, staged = kda_ops.kda_chain(*args, cache.state, **gate_cfg)
+                o, staged = paths.op("kda_chain")(*args, cache.state, **gate_cfg)
                 state, conv = staged[-1], kda_ops.conv_windows(cache.conv, qkv)[-1]
         with jax.named_scope("kda_out"):
             gate = linear(x, self.g_proj).reshape(t, h, dk)
@@ -166,12 +171,12 @@ class MoE(nnx.Module):
 
     def __call__(self, cfg: LingConfig, x, paths: Paths):
         with jax.named_scope("moe_router"):
-            weights, experts = moe_ops.route(
+            weights, experts = paths.op("moe_route")(
                 x, self.router[...], self.router_bias[...], top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
                 topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor, renormalize=cfg.norm_topk_prob,
             )
         with jax.named_scope("moe_experts"):
-            run = moe_ops.experts_gathered if paths.moe_gathered else moe_ops.experts_sorted
+            run = paths.op("moe_experts") if paths.moe_gathered else moe_ops.experts_sorted
             y = run(x, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
         if self.shared is not None:
             with jax.named_scope("moe_shared"):
@@ -209,13 +214,13 @@ class MTPLayer(nnx.Module):
         self.block = DecoderLayer(cfg, init, cfg.mtp_layer_id, "mla", MOE)
         self.final_norm = init.norm(cfg.hidden_size)
 
-    def __call__(self, cfg: LingConfig, embedded, hidden, cache: MLACache, positions):
+    def __call__(self, cfg: LingConfig, embedded, hidden, cache: MLACache, positions, paths: Paths):
         """embedded: [T, D] embeddings of x_{p+1}; hidden: [T, D] target hidden h_p (post final norm).
         Returns (z [T, D] post final_layernorm, cache)."""
         eps = cfg.rms_norm_eps
         u = jnp.concatenate([rms_norm(embedded, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)], -1)
         u = linear(u, self.eh_proj)
-        u, cache = self.block(cfg, u, cache, positions, u.shape[0], paths_for(u.shape[0]))
+        u, cache = self.block(cfg, u, cache, positions, u.shape[0], paths)
         return rms_norm(u, self.final_norm[...], eps), cache
 
 
@@ -242,11 +247,12 @@ class LingModel(nnx.Module):
     def embed_tokens(self, tokens):
         return self.embed[...][tokens]
 
-    def forward(self, tokens, cache: ModelCache, start, n_valid):
-        """tokens: [T] int32 at positions start..start+T-1, of which the first n_valid are real.
-        Returns (hidden [T, D] after the final norm, updated cache)."""
+    def forward(self, tokens, cache: ModelCache, start, n_valid, kernel_set: str = "xla"):
+        """tokens: [T] int32 at positions start..start+T-1, of which the first n_valid are real
+        (n_valid < T only on the chunked path, T > SMALL_T). Returns (hidden [T, D] after the final
+        norm, updated cache)."""
         cfg = self.cfg
-        paths = paths_for(tokens.shape[0])
+        paths = paths_for(tokens.shape[0], kernel_set)
         positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
         x = self.embed_tokens(tokens)
         new_layers = []
@@ -262,14 +268,15 @@ class LingModel(nnx.Module):
         with jax.named_scope("lm_head"):
             return jnp.einsum("...d,vd->...v", hidden, self.lm_head[...], preferred_element_type=F32)
 
-    def mtp_forward(self, tokens, hidden, cache: ModelCache, start):
+    def mtp_forward(self, tokens, hidden, cache: ModelCache, start, kernel_set: str = "xla"):
         """MTP rows at positions start..start+T-1 with (x_{p+1} = tokens, h_p = hidden).
         Returns (z [T, D], updated cache)."""
         if self.mtp is None:
             raise ValueError("this model has no MTP layer")
         positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
         with jax.named_scope("mtp"):
-            z, mtp_cache = self.mtp(self.cfg, self.embed_tokens(tokens), hidden, cache.mtp, positions)
+            z, mtp_cache = self.mtp(self.cfg, self.embed_tokens(tokens), hidden, cache.mtp, positions,
+                                    paths_for(tokens.shape[0], kernel_set))
         return z, dataclasses.replace(cache, mtp=mtp_cache)
 
 

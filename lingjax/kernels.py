@@ -1,0 +1,48 @@
+"""Kernel choice, in one place: `kernels="xla"` runs the plain-JAX references in lingjax/ops;
+`kernels="pallas"` runs the Pallas kernels in lingjax/pallas (interpret mode off the GPU, so the
+same model runs everywhere). Which op a layer needs (chain or chunked KDA, gathered or sorted MoE)
+is chosen by shape in lingjax.model.paths_for; this module only picks the implementation.
+
+Each Pallas entry point has exactly the signature and result of the reference it replaces.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from lingjax.ops import kda as kda_ops
+from lingjax.ops import moe as moe_ops
+
+KERNELS = ("xla", "pallas")
+
+# op name -> (reference, "module:function" of the Pallas implementation)
+OPS = {
+    "kda_chain": (kda_ops.kda_chain, "lingjax.pallas.kda_chain:kda_chain_verify"),
+    "kda_chunked": (kda_ops.kda_chunked, "lingjax.pallas.kda_prefill:kda_chunked_prefill"),
+    "moe_route": (moe_ops.route, "lingjax.pallas.moe_router:route"),
+    "moe_experts": (moe_ops.experts_gathered, "lingjax.pallas.moe_experts:fused_experts"),
+}
+
+
+def _pallas(op: str):
+    module, name = OPS[op][1].split(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ModuleNotFoundError, AttributeError):
+        return None
+
+
+def missing_pallas_ops() -> list[str]:
+    return [op for op in OPS if _pallas(op) is None]
+
+
+def get(op: str, kernels: str):
+    """The implementation of `op` for the kernel set `kernels`."""
+    if kernels == "xla":
+        return OPS[op][0]
+    if kernels == "pallas":
+        impl = _pallas(op)
+        if impl is None:
+            raise NotImplementedError(f"no Pallas kernel for {op} yet ({OPS[op][1]})")
+        return impl
+    raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
