@@ -1,8 +1,12 @@
-"""Plain (non-speculative) generation: jitted prefill chunks, a jitted decode step, a host loop.
+"""Generation: jitted prefill chunks, then a jitted step (a T=1 decode, or a speculative round),
+driven by a host loop that never waits on the step it just launched.
 
-The loop runs one step ahead: step k+1 is dispatched with step k's token still on the device
-(decode takes the device token as input), and the host reads step k's token through an
-asynchronous copy started at dispatch. Every device-to-host read goes through `host_read`.
+The loop runs one step ahead: step k+1 is dispatched with step k's outputs still on the device
+(each step takes the previous step's device values as inputs), and the host reads step k's
+output through an asynchronous copy started at dispatch. Every device-to-host read goes through
+`host_read`, so a test can prove nothing else reads. Stops (EOS, stop ids, max_new_tokens) are
+applied on the host to tokens read one step late; a stop inside an accepted draft cuts the
+tokens after it.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +26,7 @@ from lingjax.sampling import SamplingParams
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill program (power of two)
 MIN_CAPACITY = 256
+SPEC_METHODS = ("nextn",)
 
 
 @dataclasses.dataclass
@@ -30,14 +35,19 @@ class GenerationResult:
     stop_reason: str  # "stop" (a stop/EOS id) or "length" (max_new_tokens)
     prompt_len: int
     ttft_s: float  # submit -> first new token on the host
-    tpot_mean_s: float  # mean time per output token after the first (excludes TTFT)
-    tpot_median_s: float
-    total_s: float
-    token_times_s: list[float]  # host arrival time of each new token, from submit
+    tpot_mean_s: float  # (latency - TTFT) / (tokens - 1): excludes TTFT
+    tpot_median_s: float  # median inter-token gap (a step bringing k tokens counts as k equal gaps)
+    total_s: float  # submit -> last token on the host
+    token_times_s: list[float]  # per token, from submit (tokens of one step share its gap evenly)
+    accept_lens: list[int] = dataclasses.field(default_factory=list)  # per speculative round read
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.total_s if self.total_s > 0 else float("nan")
+
+    @property
+    def mean_accept_len(self) -> float:
+        return statistics.fmean(self.accept_lens) if self.accept_lens else float("nan")
 
 
 def host_read(x: jax.Array) -> np.ndarray:
@@ -55,19 +65,90 @@ def prefill_bucket(n: int) -> int:
     return max(2 * SMALL_T, _pow2(n))
 
 
-def cache_capacity(prompt_len: int, max_new_tokens: int) -> int:
-    """Slots for the (chunk-padded) prompt and every new token, rounded to a power of two so few
-    capacities (and so few compiled decode programs) ever exist."""
+def cache_capacity(prompt_len: int, max_new_tokens: int, step_width: int = 1) -> int:
+    """Slots for the (chunk-padded) prompt, every new token and the run-ahead step's writes (a
+    verify writes step_width slots past the committed length), rounded to a power of two so few
+    capacities (and so few compiled programs) ever exist."""
     full, rest = divmod(prompt_len, PREFILL_CHUNK)
     padded = full * PREFILL_CHUNK + (prefill_bucket(rest) if rest else 0)
-    return max(MIN_CAPACITY, _pow2(max(padded, prompt_len + max_new_tokens) + 1))
+    return max(MIN_CAPACITY, _pow2(max(padded, prompt_len + max_new_tokens + 2 * step_width) + 1))
+
+
+def _prompt_chunks(prompt: np.ndarray) -> Iterator[tuple[int, np.ndarray, int, bool]]:
+    """(start, padded chunk, real length, is last) over the prompt."""
+    for start in range(0, prompt.size, PREFILL_CHUNK):
+        chunk = prompt[start : start + PREFILL_CHUNK]
+        padded = np.zeros(prefill_bucket(chunk.size), np.int32)
+        padded[: chunk.size] = chunk
+        yield start, padded, chunk.size, start + PREFILL_CHUNK >= prompt.size
+
+
+def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key) -> Iterator[list[int]]:
+    """Yields each new token (as a one-element list), reading one step behind the device."""
+    cache = model.new_cache(cache_capacity(prompt.size, max_new_tokens))
+    for start, chunk, n_valid, _ in _prompt_chunks(prompt):
+        token, _, cache = model._prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start),
+                                         jnp.int32(n_valid), jax.random.fold_in(base_key, 0), sampling=sampling)
+    token.copy_to_host_async()
+    pos, produced = prompt.size, 0
+    while True:
+        pending = token
+        if produced + 1 < max_new_tokens:  # run ahead: launch the next step before reading this one
+            token, cache = model._decode(model.params, cache, pending, jnp.int32(pos),
+                                         jax.random.fold_in(base_key, produced + 1), sampling=sampling)
+            token.copy_to_host_async()
+            pos += 1
+        yield [int(host_read(pending))]
+        produced += 1
+
+
+def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens):
+    """Yields each round's new tokens (the prefill's first token, then d_1..d_n, b' per round)."""
+    from lingjax.spec.step import SpecState
+
+    program = model.spec_program(drafter, sampling)
+    capacity = cache_capacity(prompt.size, max_new_tokens, drafter.steps + 1)
+    cache, draft = model.new_cache(capacity), drafter.init(model.module, capacity)
+    for start, chunk, n_valid, last in _prompt_chunks(prompt):
+        after = 0 if last else int(prompt[start + n_valid])
+        bonus, cache, draft = program.prefill_chunk(model.params, cache, draft, jnp.asarray(chunk), jnp.int32(start),
+                                                    jnp.int32(n_valid), jnp.int32(after), base_key, last=last)
+    # the state is donated to the first round, so it gets its own copy of the token the host reads
+    state = SpecState(cache=cache, draft=draft, s=jnp.int32(prompt.size), bonus=jnp.copy(bonus),
+                      round=jnp.int32(0), key=base_key)
+    pending, produced = bonus, 0
+    pending.copy_to_host_async()
+    first = True
+    while True:
+        if produced + 1 < max_new_tokens:  # run ahead (a round yields at least one token)
+            state, out = program.round(model.params, state)
+            out.copy_to_host_async()
+        else:
+            out = None
+        value = host_read(pending)
+        if first:
+            tokens, first = [int(value)], False
+        else:
+            count = int(value[-1])
+            tokens = value[:count].tolist()
+            accept_lens.append(count)
+        yield tokens
+        produced += len(tokens)
+        if out is None:
+            return
+        pending = out
 
 
 def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, stop_ids: Sequence[int] = (), *, top_k: int = 0, top_p: float = 1.0,
-             ignore_eos: bool = False, on_token: Callable[[int], None] | None = None) -> GenerationResult:
-    """Generate up to max_new_tokens after prompt_ids. Stops at any of stop_ids or the config's EOS
-    ids (unless ignore_eos). on_token(id) is called as each token reaches the host."""
+             ignore_eos: bool = False, on_token: Callable[[int], None] | None = None,
+             spec: str | None = None, steps: int = 5, drafter=None) -> GenerationResult:
+    """Generate up to max_new_tokens after prompt_ids.
+
+    Stops at any of stop_ids or the config's EOS ids (unless ignore_eos); on_token(id) is called as
+    each token reaches the host. spec="nextn" speculates with the MTP layer, `steps` drafts a round
+    (greedy output is identical to spec=None); `drafter` plugs in any other drafter object.
+    """
     prompt = np.asarray(list(prompt_ids), dtype=np.int32)
     if prompt.size == 0:
         raise ValueError("prompt_ids is empty")
@@ -77,48 +158,56 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
     sampling = SamplingParams(temperature, top_k, top_p)
     stops = set(int(s) for s in stop_ids) | (set() if ignore_eos else set(model.cfg.eos_token_ids))
     base_key = jax.random.key(seed)
-    capacity = cache_capacity(prompt.size, max_new_tokens)
+    accept_lens: list[int] = []
+    if spec is not None and drafter is None:
+        drafter = _make_drafter(model, spec, steps)
 
     t0 = time.perf_counter()
-    cache = model.new_cache(capacity)
-    token = None
-    for start in range(0, prompt.size, PREFILL_CHUNK):
-        chunk = prompt[start : start + PREFILL_CHUNK]
-        padded = np.zeros(prefill_bucket(chunk.size), np.int32)
-        padded[: chunk.size] = chunk
-        token, _, cache = model._prefill(model.params, cache, jnp.asarray(padded), jnp.int32(start),
-                                         jnp.int32(chunk.size), jax.random.fold_in(base_key, 0), sampling=sampling)
-    token.copy_to_host_async()
-
+    if drafter is None:
+        steps_iter = _plain_steps(model, prompt, max_new_tokens, sampling, base_key)
+    else:
+        steps_iter = _spec_steps(model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens)
     tokens: list[int] = []
     times: list[float] = []
     stop_reason = "length"
-    pos = prompt.size
-    while True:
-        pending = token
-        if len(tokens) + 1 < max_new_tokens:  # run ahead: dispatch the next step before reading this one
-            token, cache = model._decode(model.params, cache, pending, jnp.int32(pos),
-                                         jax.random.fold_in(base_key, len(tokens) + 1), sampling=sampling)
-            token.copy_to_host_async()
-            pos += 1
-        value = int(host_read(pending))
-        times.append(time.perf_counter() - t0)
-        tokens.append(value)
-        if on_token:
-            on_token(value)
-        if value in stops:
-            stop_reason = "stop"
+    for step_tokens in steps_iter:
+        now = time.perf_counter() - t0
+        last = times[-1] if times else 0.0
+        for j, value in enumerate(step_tokens, 1):
+            tokens.append(value)
+            times.append(last + (now - last) * j / len(step_tokens))
+            if on_token:
+                on_token(value)
+            if value in stops:
+                stop_reason = "stop"
+                break
+            if len(tokens) >= max_new_tokens:
+                break
+        if stop_reason == "stop" or len(tokens) >= max_new_tokens:
             break
-        if len(tokens) >= max_new_tokens:
-            break
+    steps_iter.close()
     gaps = np.diff(times).tolist()
     return GenerationResult(
         tokens=tokens,
         stop_reason=stop_reason,
         prompt_len=int(prompt.size),
         ttft_s=times[0],
-        tpot_mean_s=statistics.fmean(gaps) if gaps else float("nan"),
+        tpot_mean_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan"),
         tpot_median_s=statistics.median(gaps) if gaps else float("nan"),
         total_s=times[-1],
         token_times_s=times,
+        accept_lens=accept_lens,
     )
+
+
+def _make_drafter(model: Model, spec: str, steps: int):
+    if spec not in SPEC_METHODS:
+        raise ValueError(f"spec must be one of {SPEC_METHODS} or None, got {spec!r}")
+    if not 1 <= steps <= SMALL_T - 1:
+        raise ValueError(f"steps must be in [1, {SMALL_T - 1}] (verify width steps+1 <= {SMALL_T}), got {steps}")
+    if not model.has_mtp:
+        raise ValueError(f"spec={spec!r} needs the MTP layer (model.layers.{model.cfg.mtp_layer_id}.*), which "
+                         f"{model.source or 'this checkpoint'} does not have; generate without spec")
+    from lingjax.spec.drafters import NextnDrafter
+
+    return NextnDrafter(steps=steps)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lingjax import kernels
-from lingjax.cache import KDACache, MLACache, ModelCache
+from lingjax.cache import KDACache, KDAStaged, MLACache, ModelCache
 from lingjax.config import KDA, MOE, LingConfig
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import mla as mla_ops
@@ -90,7 +90,9 @@ class KDAAttention(nnx.Module):
         self.o_norm = init.norm(cfg.kda_head_dim)
         self.o_proj = init.matrix(d, p)
 
-    def __call__(self, cfg: LingConfig, x, cache: KDACache, n_valid, paths: Paths):
+    def __call__(self, cfg: LingConfig, x, cache: KDACache, n_valid, paths: Paths, stage: bool = False):
+        """Returns (y, new cache); with stage=True (verify) returns (y, KDAStaged) and the committed
+        cache is left for `lingjax.cache.commit`."""
         t = x.shape[0]
         h, dk = cfg.kda_num_heads, cfg.kda_head_dim
         with jax.named_scope("kda_proj"):
@@ -106,11 +108,16 @@ class KDAAttention(nnx.Module):
                 o, state = paths.op("kda_chunked")(q, k, v, g, beta, cache.state)
             else:  # every row is valid on this path (prefill pads only to chunked sizes)
                 o, staged = paths.op("kda_chain")(*args, cache.state, **gate_cfg)
-                state, conv = staged[-1], kda_ops.conv_windows(cache.conv, qkv)[-1]
+                windows = kda_ops.conv_windows(cache.conv, qkv)
+                state, conv = staged[-1], windows[-1]
+        if stage and paths.kda_chunked:
+            raise ValueError(f"staged (verify) forwards take at most {SMALL_T} tokens, got {t}")
         with jax.named_scope("kda_out"):
             gate = linear(x, self.g_proj).reshape(t, h, dk)
             y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)
             y = linear(y.reshape(t, h * dk), self.o_proj)
+        if stage:
+            return y, KDAStaged(states=staged, windows=windows)
         return y, KDACache(state=state, conv=conv)
 
 
@@ -193,10 +200,10 @@ class DecoderLayer(nnx.Module):
         self.attn = KDAAttention(cfg, init) if attn_kind == KDA else MLAAttention(cfg, init)
         self.mlp = MoE(cfg, init, layer_id) if mlp_kind == MOE else DenseMLP(cfg, init, cfg.intermediate_size)
 
-    def __call__(self, cfg: LingConfig, x, cache, positions, n_valid, paths: Paths):
+    def __call__(self, cfg: LingConfig, x, cache, positions, n_valid, paths: Paths, stage: bool = False):
         a = rms_norm(x, self.input_norm[...], cfg.rms_norm_eps)
         if isinstance(self.attn, KDAAttention):
-            a, cache = self.attn(cfg, a, cache, n_valid, paths)
+            a, cache = self.attn(cfg, a, cache, n_valid, paths, stage)
         else:
             a, cache = self.attn(cfg, a, cache, positions, paths)
         h = x + a
@@ -214,13 +221,13 @@ class MTPLayer(nnx.Module):
         self.block = DecoderLayer(cfg, init, cfg.mtp_layer_id, "mla", MOE)
         self.final_norm = init.norm(cfg.hidden_size)
 
-    def __call__(self, cfg: LingConfig, embedded, hidden, cache: MLACache, positions, paths: Paths):
+    def __call__(self, cfg: LingConfig, embedded, hidden, cache: MLACache, positions, n_valid, paths: Paths):
         """embedded: [T, D] embeddings of x_{p+1}; hidden: [T, D] target hidden h_p (post final norm).
         Returns (z [T, D] post final_layernorm, cache)."""
         eps = cfg.rms_norm_eps
         u = jnp.concatenate([rms_norm(embedded, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)], -1)
         u = linear(u, self.eh_proj)
-        u, cache = self.block(cfg, u, cache, positions, u.shape[0], paths)
+        u, cache = self.block(cfg, u, cache, positions, n_valid, paths)
         return rms_norm(u, self.final_norm[...], eps), cache
 
 
@@ -251,33 +258,44 @@ class LingModel(nnx.Module):
         """tokens: [T] int32 at positions start..start+T-1, of which the first n_valid are real
         (n_valid < T only on the chunked path, T > SMALL_T). Returns (hidden [T, D] after the final
         norm, updated cache)."""
+        x, layers, _ = self._layers(tokens, cache, start, n_valid, kernel_set, stage=False)
+        return x, ModelCache(layers=layers)
+
+    def verify(self, tokens, cache: ModelCache, start, kernel_set: str = "xla"):
+        """Speculative verify over T <= SMALL_T tokens: MLA caches are written at start..start+T-1,
+        KDA caches are left as they are. Returns (hidden [T, D], cache, staging: per layer KDAStaged
+        or None) for `lingjax.cache.commit`."""
+        x, layers, staging = self._layers(tokens, cache, start, tokens.shape[0], kernel_set, stage=True)
+        return x, ModelCache(layers=layers), staging
+
+    def _layers(self, tokens, cache, start, n_valid, kernel_set, stage):
         cfg = self.cfg
         paths = paths_for(tokens.shape[0], kernel_set)
         positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
         x = self.embed_tokens(tokens)
-        new_layers = []
+        layers, staging = [], []
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             with jax.named_scope(f"layer{i}_{cfg.layer_types[i]}"):
-                x, layer_cache = layer(cfg, x, layer_cache, positions, n_valid, paths)
-            new_layers.append(layer_cache)
-        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        return x, dataclasses.replace(cache, layers=tuple(new_layers))
+                x, out = layer(cfg, x, layer_cache, positions, n_valid, paths, stage)
+            staged = isinstance(out, KDAStaged)
+            layers.append(layer_cache if staged else out)
+            staging.append(out if staged else None)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), tuple(layers), tuple(staging)
 
     def lm_logits(self, hidden):
         """hidden: [..., D] -> f32 logits [..., V]."""
         with jax.named_scope("lm_head"):
             return jnp.einsum("...d,vd->...v", hidden, self.lm_head[...], preferred_element_type=F32)
 
-    def mtp_forward(self, tokens, hidden, cache: ModelCache, start, kernel_set: str = "xla"):
-        """MTP rows at positions start..start+T-1 with (x_{p+1} = tokens, h_p = hidden).
-        Returns (z [T, D], updated cache)."""
+    def mtp_forward(self, tokens, hidden, cache: MLACache, start, n_valid, kernel_set: str = "xla"):
+        """MTP rows at positions start..start+T-1 with (x_{p+1} = tokens, h_p = hidden), the first
+        n_valid real. Returns (z [T, D] post final_layernorm, the MTP layer's updated latent cache)."""
         if self.mtp is None:
             raise ValueError("this model has no MTP layer")
         positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
         with jax.named_scope("mtp"):
-            z, mtp_cache = self.mtp(self.cfg, self.embed_tokens(tokens), hidden, cache.mtp, positions,
-                                    paths_for(tokens.shape[0], kernel_set))
-        return z, dataclasses.replace(cache, mtp=mtp_cache)
+            return self.mtp(self.cfg, self.embed_tokens(tokens), hidden, cache, positions, n_valid,
+                            paths_for(tokens.shape[0], kernel_set))
 
 
 def abstract_model(cfg: LingConfig, dtype=jnp.bfloat16, with_mtp: bool | None = None) -> LingModel:

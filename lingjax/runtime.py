@@ -45,6 +45,7 @@ class Model:
         self._extend_logits = jax.jit(self._extend_logits_impl, donate_argnames=("cache",))
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",), donate_argnames=("cache",))
         self._decode = jax.jit(self._decode_impl, static_argnames=("sampling",), donate_argnames=("cache",))
+        self._spec_programs = {}
 
     @property
     def dtype(self):
@@ -58,7 +59,16 @@ class Model:
         return param_count(self.module)
 
     def new_cache(self, capacity: int) -> ModelCache:
-        return init_cache(self.cfg, capacity, self.dtype, with_mtp=self.has_mtp)
+        return init_cache(self.cfg, capacity, self.dtype)
+
+    def spec_program(self, drafter, sampling: SamplingParams):
+        """The jitted speculative prefill/round for this drafter and sampling (built once, then reused)."""
+        from lingjax.spec.step import SpecProgram
+
+        key = (drafter, sampling)
+        if key not in self._spec_programs:
+            self._spec_programs[key] = SpecProgram(self, drafter, sampling)
+        return self._spec_programs[key]
 
     # ---- jitted programs --------------------------------------------------------------------
     def _full_logits_impl(self, params, tokens):

@@ -1,0 +1,117 @@
+"""Chunked KDA prefill in Pallas: the chunked form of the gated delta rule (ling3_architecture.md §3).
+
+One program per (head, V tile of BV columns) walks the chunks of BT tokens in order, carrying its
+state tile [K, BV] in registers. Per chunk, with G the cumulative log decay from the chunk start:
+  M = strict_lower(β_t Σ_k k_t k_i e^{G_t-G_i}),  Tm = (I + M)^-1   (doubling product: M is nilpotent)
+  V_new = Tm (β v) - Tm (β k e^G) S,  O = (q e^G) S + causal(q_t·k_i e^{G_t-G_i}) V_new,
+  S <- e^{G_last} S + (k e^{G_last-G})ᵀ V_new.
+The pairwise decays are factored through the chunk's middle row r: e^{G_t-r}·e^{r-G_i}. That needs
+|G_t - r| < ~85 (f32 exp range): with the safe gate (g > lower_bound = -5) a chunk of BT <= 32 keeps it
+under 80. The intra-chunk work is V-independent and repeated per V tile (it is cheap next to the
+serial walk over chunks).
+
+Reference: lingjax.ops.kda.kda_chunked (and kda_recurrent).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from lingjax.ops import kda as kda_ops  # noqa: F401  (the reference: kda_ops.kda_chunked)
+
+PRECISIONS = {  # dot precision on the GPU; interpret mode always uses f32 (HIGHEST)
+    "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,  # ~f32 accuracy on the tensor cores
+    "tf32": lax.Precision.DEFAULT,
+    "ieee": lax.Precision.HIGHEST,
+}
+
+
+def _interpret(interpret):
+    return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
+def _prefill_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref,  # inputs
+                    o_ref, sf_ref,  # outputs
+                    *, block_t, block_v, precision):
+    # q_ref, k_ref, g_ref [T, H, K]; v_ref [T, H, V]; b_ref [T, H]; s_ref [H, K, V] f32
+    # -> o_ref [T, H, V] f32; sf_ref [H, K, V] f32 (final state)
+    h, j = pl.program_id(0), pl.program_id(1)
+    c = block_t
+    v0 = pl.ds(j * block_v, block_v)
+    n_chunks = q_ref.shape[0] // c
+    f32 = jnp.float32
+    rows = jnp.arange(c)[:, None]
+    cols = jnp.arange(c)[None, :]
+    eye = (rows == cols).astype(f32)  # [C, C]
+    mid, last = c // 2 - 1, c - 1
+
+    def dot(a, b, contract=(1, 0)):  # 2-D dot with f32 accumulation
+        return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                               precision=precision, preferred_element_type=f32)
+
+    def row(x, i):  # x[i] as a [K] vector (value slicing does not lower to Triton)
+        return jnp.sum(jnp.where(rows == i, x, 0.0), axis=0)
+
+    def body(ci, s):  # s: [K, BV] state before the chunk
+        t = pl.ds(ci * c, c)
+        q = q_ref[t, h, :].astype(f32)  # [C, K]
+        k = k_ref[t, h, :].astype(f32)  # [C, K]
+        v = v_ref[t, h, v0].astype(f32)  # [C, BV]
+        beta = b_ref[t, h].astype(f32)[:, None]  # [C, 1]
+        big_g = jnp.cumsum(g_ref[t, h, :].astype(f32), axis=0)  # [C, K], G_t = Σ_{i<=t} g_i
+        r = row(big_g, mid)[None, :]
+        k_neg = k * jnp.exp(r - big_g)  # the i side of e^{G_t - G_i}
+        a_kk = dot(k * jnp.exp(big_g - r), k_neg, (1, 1))  # [C, C]
+        a_qk = jnp.where(rows >= cols, dot(q * jnp.exp(big_g - r), k_neg, (1, 1)), 0.0)
+        n = jnp.where(rows > cols, -beta * a_kk, 0.0)  # -M, strictly lower: nilpotent
+        tm = eye + n
+        for _ in range(c.bit_length() - 2):  # (I + M)^-1 = (I - M)(I + M^2)(I + M^4)...
+            n = dot(n, n)
+            tm = tm + dot(tm, n)
+        w = dot(tm, beta * k * jnp.exp(big_g))  # [C, K]
+        v_new = dot(tm, beta * v) - dot(w, s)  # [C, BV]
+        o_ref[t, h, v0] = dot(q * jnp.exp(big_g), s) + dot(a_qk, v_new)
+        g_last = row(big_g, last)  # [K]
+        k_dec = k * jnp.exp(g_last[None, :] - big_g)  # [C, K]
+        return jnp.exp(g_last)[:, None] * s + dot(k_dec, v_new, (0, 0))
+
+    sf_ref[h, :, v0] = lax.fori_loop(0, n_chunks, body, s_ref[h, :, v0])
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "block_t", "block_v", "num_warps", "num_stages",
+                                             "precision", "interpret"))
+def kda_chunked_prefill(q, k, v, g, beta, state, chunk: int = 64, *, block_t: int = 32, block_v: int = 32,
+                        num_warps: int = 4, num_stages: int = 2, precision: str = "tf32x3", interpret=None):
+    """Same arguments and results as lingjax.ops.kda.kda_chunked: (o [T, H, V] f32, final state [H, K, V]).
+
+    `chunk` is kept for the reference's signature; the kernel's chunk is `block_t` (the chunked form
+    equals the recurrence up to rounding for any chunk). Padding rows (g = 0, beta = 0) leave the
+    state as is, so T is padded up to a multiple of block_t here.
+    """
+    del chunk
+    t_len, h, dk = k.shape
+    dv = v.shape[-1]
+    block_v = min(block_v, dv)
+    assert dv % block_v == 0 and block_t >= 16 and block_t & (block_t - 1) == 0
+    pad = -t_len % block_t
+    if pad:
+        q, k, v, g, beta = (jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (q, k, v, g, beta))
+    interpret = _interpret(interpret)
+    kernel = functools.partial(_prefill_kernel, block_t=block_t, block_v=block_v,
+                               precision=lax.Precision.HIGHEST if interpret else PRECISIONS[precision])
+    o, final = pl.pallas_call(
+        kernel,
+        grid=(h, dv // block_v),
+        out_shape=(jax.ShapeDtypeStruct((t_len + pad, h, dv), jnp.float32),
+                   jax.ShapeDtypeStruct((h, dk, dv), jnp.float32)),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kda_chunked_prefill",
+    )(q, k, v, g, beta, state.astype(jnp.float32))
+    return o[:t_len], final

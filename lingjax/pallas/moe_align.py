@@ -1,0 +1,158 @@
+"""moe_align on the pair axis: one launch, nothing scales with the number of experts.
+
+The grouped expert GEMMs consume (token, slot) pairs in blocks of `block_m` rows that all share one
+expert. moe_align builds that permutation. The generic CUDA path needs two launches (a histogram
+over the expert axis, a grid-wide scan, then placement). At batch 1 there are only NP = T·k pairs
+(8 at decode, 48 at verify width 6), so this kernel works on the pair axis instead (seed write-up,
+"moe_align, on the pair axis"): an [NP, NP] comparison gives every pair its stable rank inside its
+expert's bucket and the bucket's size; a bucket's rank-0 pair is its representative, whose padded
+size and bucket-ordered exclusive offset place every pair; the published total and the expert of
+every block follow from the representatives alone. Buckets are ordered by expert id, so the result
+is bit-identical to the sort-based reference `align_reference` (also the fallback for NP > 64).
+
+Outputs (S = n_blocks · block_m slots, padding slots hold the sentinel NP):
+  sorted_ids [S] int32    pair index (token·k + slot) in each slot
+  block_expert [NB] int32 expert of each block, −1 past the published total
+  pos [NP] int32          slot of each pair (inverse of sorted_ids)
+  meta [2] int32          (total padded slots, number of used blocks)
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+PAIR_LIMIT = 64  # the [NP, NP] comparison runs in one program up to here; larger NP sorts
+_I32 = jnp.int32
+
+
+def n_blocks_for(num_pairs: int, block_m: int, num_experts: int | None = None) -> int:
+    """Static upper bound on used blocks: Σ ceil(c_b / bm) ≤ (NP + buckets·(bm−1)) / bm, and ≤ NP."""
+    buckets = num_pairs if num_experts is None else min(num_experts, num_pairs)
+    return max(1, min(num_pairs, (num_pairs + buckets * (block_m - 1)) // block_m))
+
+
+def align_reference(experts: jax.Array, block_m: int, n_blocks: int | None = None):
+    """Sort-based moe_align (the reference, and the path for NP > PAIR_LIMIT). experts: [T, k] int32."""
+    flat = experts.reshape(-1).astype(_I32)
+    npairs = flat.shape[0]
+    nb = n_blocks or n_blocks_for(npairs, block_m)
+    idx = jnp.arange(npairs, dtype=_I32)
+    order = jnp.argsort(flat, stable=True).astype(_I32)
+    se = flat[order]
+    first = jnp.searchsorted(se, se, side="left").astype(_I32)  # bucket start, per sorted position
+    end = jnp.searchsorted(se, se, side="right").astype(_I32)
+    start = first == idx  # the bucket's first pair
+    rank = idx - first
+    padded = (end - first + block_m - 1) // block_m * block_m
+    rep_padded = jnp.where(start, padded, 0)
+    offset = (jnp.cumsum(rep_padded) - rep_padded)[first]
+    total = rep_padded.sum()
+    pos = jnp.zeros((npairs,), _I32).at[order].set(offset + rank)
+    sorted_ids = jnp.full((nb * block_m,), npairs, _I32).at[pos].set(idx)
+    block_start = jnp.arange(nb, dtype=_I32) * block_m
+    head = sorted_ids[block_start]
+    block_expert = jnp.where(block_start < total, flat[jnp.minimum(head, npairs - 1)], -1)
+    meta = jnp.stack([total, total // block_m]).astype(_I32)
+    return sorted_ids, block_expert.astype(_I32), pos, meta
+
+
+def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m, chunk):
+    # e_ref: [NPP] int32 expert per pair (NPP = NP padded to a power of 2; tail ignored)
+    # ids_ref: [S] int32; blk_ref: [NB] int32; pos_ref: [NPP] int32; meta_ref: [2] int32
+    npp = e_ref.shape[0]
+    i = jax.lax.broadcasted_iota(_I32, (npp, npp), 0)  # this pair
+    j = jax.lax.broadcasted_iota(_I32, (npp, npp), 1)  # the other pair
+    valid = jnp.arange(npp, dtype=_I32) < npairs
+    e = jnp.where(valid, e_ref[...], jnp.iinfo(_I32).max)  # [NPP]
+    ei, ej = e[:, None], e[None, :]
+    same = (ei == ej) & valid[:, None] & valid[None, :]
+    rank = jnp.where(same & (j < i), 1, 0).sum(axis=1)  # stable rank inside the bucket
+    count = jnp.where(same, 1, 0).sum(axis=1)  # bucket size
+    padded = (count + block_m - 1) // block_m * block_m
+    rep = (rank == 0) & valid  # one representative per bucket
+    # Bucket-ordered exclusive offset: padded sizes of the buckets with a smaller expert id.
+    offset = jnp.where(rep[None, :] & (ej < ei), padded[None, :], 0).sum(axis=1)
+    pos = jnp.where(valid, offset + rank, 0)
+    total = jnp.where(rep, padded, 0).sum()
+    pos_ref[...] = pos
+    meta_ref[...] = jnp.where(jnp.arange(2, dtype=_I32) == 0, total, total // block_m)
+
+    # Every block's expert: the representative whose padded range holds the block's first slot.
+    nb = blk_ref.shape[0]
+    bstart = jax.lax.broadcasted_iota(_I32, (nb, npp), 0) * block_m
+    off_j, pad_j, rep_j = offset[None, :], padded[None, :], rep[None, :]
+    hit = rep_j & (off_j <= bstart) & (bstart < off_j + pad_j)  # [NB, NPP]
+    blk_ref[...] = jnp.where(jnp.where(hit, 1, 0).sum(axis=1) > 0, jnp.where(hit, ej, 0).sum(axis=1), -1)
+
+    # Slot -> pair, `chunk` slots at a time (an [S, NPP] match would not fit in registers).
+    def fill(c, carry):
+        slot = c * chunk + jax.lax.broadcasted_iota(_I32, (chunk, npp), 0)
+        pair = jax.lax.broadcasted_iota(_I32, (chunk, npp), 1)
+        match = (pos[None, :] == slot) & valid[None, :]
+        found = jnp.where(match, 1, 0).sum(axis=1) > 0
+        ids_ref[pl.ds(c * chunk, chunk)] = jnp.where(found, jnp.where(match, pair, 0).sum(axis=1), npairs)
+        return carry
+
+    jax.lax.fori_loop(0, ids_ref.shape[0] // chunk, fill, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "n_blocks", "chunk", "num_warps", "interpret"))
+def moe_align(experts, *, block_m=16, n_blocks=None, chunk=128, num_warps=4, interpret=None):
+    """Pair-axis moe_align, one launch; NP > PAIR_LIMIT falls back to `align_reference`.
+
+    experts: [T, k] int32. Returns (sorted_ids [S], block_expert [NB], pos [NP], meta [2]); S and NB may be
+    padded past NP·block_m and NP (to powers of 2): the extra blocks read −1 and the extra slots NP.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    flat = experts.reshape(-1).astype(_I32)
+    npairs = flat.shape[0]
+    if npairs > PAIR_LIMIT:
+        return align_reference(experts, block_m, n_blocks)
+    npp = pl.next_power_of_2(npairs)
+    nb = pl.next_power_of_2(n_blocks or n_blocks_for(npairs, block_m))
+    slots = nb * block_m
+    chunk = min(chunk, slots)
+    if npp != npairs:
+        flat = jnp.pad(flat, (0, npp - npairs))
+    ids, blk, pos, meta = pl.pallas_call(
+        functools.partial(_align_kernel, npairs=npairs, block_m=block_m, chunk=chunk),
+        out_shape=(
+            jax.ShapeDtypeStruct((slots,), _I32),
+            jax.ShapeDtypeStruct((nb,), _I32),
+            jax.ShapeDtypeStruct((npp,), _I32),
+            jax.ShapeDtypeStruct((2,), _I32),
+        ),
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="moe_align_pairs",
+    )(flat)
+    return ids, blk, pos[:npairs] if npp != npairs else pos, meta
+
+
+def _check(experts, block_m, **kw):
+    got = moe_align(experts, block_m=block_m, **kw)
+    nb = got[1].shape[0]
+    want = align_reference(experts, block_m, nb)
+    for g, w in zip(got, want):
+        assert (jax.device_get(g) == jax.device_get(w)).all(), (g, w)
+
+
+if __name__ == "__main__":  # GPU: sweep warps, check against the sort reference, time in-graph
+    for t in (1, 6, 8):
+        experts = jax.random.randint(jax.random.key(t), (t, 8), 0, 512, dtype=_I32)
+        for warps in (1, 2, 4):
+            _check(experts, 16, num_warps=warps)
+            f = jax.jit(lambda e, w=warps: jax.lax.fori_loop(
+                0, 1000, lambda i, e: e + moe_align(e, block_m=16, num_warps=w)[1][0] * 0, e))
+            f(experts).block_until_ready()
+            t0 = time.perf_counter()
+            f(experts).block_until_ready()
+            us = (time.perf_counter() - t0) * 1e3
+            print(f"moe_align T={t} NP={8 * t} warps={warps}: {us:.2f} us/call (floor: one launch, ~0 bytes)")

@@ -1,0 +1,215 @@
+"""Routed experts at batch 1: pair-axis align, grouped up-GEMM with a SwiGLU epilogue, down-GEMM + combine.
+
+Replaces `lingjax.ops.moe.experts_gathered` (same arguments, same [T, D] f32 result):
+  1. moe_align (lingjax/pallas/moe_align.py) sorts the T·k (token, slot) pairs into blocks of `block_m`
+     rows that share one expert (one launch on the pair axis for NP ≤ 64, sort-based above).
+  2. Up kernel, grid (block, I tile): rows gathered from x by token, gate and up tiles read from the two
+     [E, I, D] arrays in the same K loop, h = act(g, u) in f32 and rounded once to x's dtype.
+  3. Down kernel, grid (block, D tile): y = h · W_downᵀ in f32, times the pair's routing weight, stored
+     to the pair's own row; the k rows of a token are summed in f32 by one small XLA reduce.
+Each block holds one expert and, for T·k ≤ 64 at block_m ≥ T, a bucket never spans two blocks, so every
+touched expert's weights are read exactly once per call. Unused blocks (past the published total) exit
+at once. Padding rows point at a spare row NP of the pair buffer, so no store needs a mask.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from lingjax.ops.moe import experts_gathered  # the reference
+from lingjax.pallas.moe_align import moe_align, n_blocks_for
+
+F32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))  # a [M, K] · b [N, K]ᵀ
+
+
+def _tile(n: int, want: int) -> int:
+    """Largest power of 2 ≤ want dividing n (tiny test dims may get a tile under the GPU minimum)."""
+    t = 1
+    while t * 2 <= want and n % (t * 2) == 0:
+        t *= 2
+    return t
+
+
+def _dot_nt(a, b):
+    prec = jax.lax.Precision.HIGHEST if a.dtype == F32 else None
+    return jax.lax.dot_general(a, b, _NT, precision=prec, preferred_element_type=F32)
+
+
+def _swiglu(g, u, limit):
+    act = g / (1.0 + jnp.exp(-g))  # SiLU in f32
+    if limit:
+        act = jnp.minimum(act, limit)
+        u = jnp.clip(u, -limit, limit)
+    return act * u
+
+
+def _up_kernel(ids_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, npairs, top_k, block_m, bn, bk, limit,
+               shared_limit):
+    # ids_ref [S] int32 (pair per slot, NP = padding); blk_ref [NB] int32 (expert per block, −1 unused)
+    # x_ref [T, D]; wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
+    # h_ref [S (+ shared blocks · BM), I] in x's dtype
+    *shared, h_ref = rest
+    b, n = pl.program_id(0), pl.program_id(1)
+    nb, t = blk_ref.shape[0], x_ref.shape[0]
+    e = blk_ref[jnp.minimum(b, nb - 1)]
+    cols = pl.ds(n * bn, bn)
+    slots = pl.ds(b * block_m, block_m)
+
+    def block(tok, wg, wu, lim):  # tok [BM] token rows; wg, wu: (cols, ks) -> [BN, BK] tiles
+        def step(kk, acc):
+            ks = pl.ds(pl.multiple_of(kk * bk, bk), bk)
+            xs = x_ref[tok, ks]  # [BM, BK] gathered rows
+            return acc[0] + _dot_nt(xs, wg(ks)), acc[1] + _dot_nt(xs, wu(ks))  # gate, up: same K step
+
+        zero = jnp.zeros((block_m, bn), F32)
+        g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, step, (zero, zero))
+        h_ref[slots, cols] = _swiglu(g, u, lim).astype(h_ref.dtype)  # the one rounding
+
+    @pl.when((b < nb) & (e >= 0))
+    def _():
+        rows = ids_ref[pl.ds(b * block_m, block_m)]  # [BM]
+        tok = jnp.minimum(rows, npairs - 1) // top_k  # padding rows reuse a real token, never stored later
+        block(tok, lambda ks: wg_ref[e, cols, ks], lambda ks: wu_ref[e, cols, ks], limit)
+
+    if shared:
+        sg_ref, su_ref = shared
+
+        @pl.when(b >= nb)
+        def _():
+            tok = jnp.minimum((b - nb) * block_m + jnp.arange(block_m), t - 1)
+            block(tok, lambda ks: sg_ref[cols, ks], lambda ks: su_ref[cols, ks], shared_limit)
+
+
+def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, npairs, block_m, bn, bk, has_shared):
+    # ids_ref [S] int32; blk_ref [NB] int32; w_ref [NP] f32 routing weight per pair
+    # h_ref [S (+ shared), I]; wd_ref [E, D, I]; optional shared sd_ref [D, I]; optional aliased y_init
+    # y_ref [NP + 1 (+ T), D] f32: row NP takes the padding rows, rows NP+1.. the shared expert per token
+    shared, y_ref = rest[:1] if has_shared else (), rest[-1]
+    b, n = pl.program_id(0), pl.program_id(1)
+    nb = blk_ref.shape[0]
+    e = blk_ref[jnp.minimum(b, nb - 1)]
+    cols = pl.ds(n * bn, bn)
+    slots = pl.ds(b * block_m, block_m)
+
+    def block(wd):  # wd: ks -> [BN, BK] tile
+        def step(kk, acc):
+            ks = pl.ds(pl.multiple_of(kk * bk, bk), bk)
+            return acc + _dot_nt(h_ref[slots, ks], wd(ks))  # [BM, BK] · [BN, BK]ᵀ
+
+        return jax.lax.fori_loop(0, h_ref.shape[1] // bk, step, jnp.zeros((block_m, bn), F32))
+
+    @pl.when((b < nb) & (e >= 0))
+    def _():
+        rows = ids_ref[pl.ds(b * block_m, block_m)]  # [BM]
+        acc = block(lambda ks: wd_ref[e, cols, ks])
+        wts = w_ref[jnp.minimum(rows, npairs - 1)]  # [BM] f32
+        y_ref[rows, cols] = acc * wts[:, None]  # scatter to the pairs' rows
+
+    if shared:
+        (sd_ref,) = shared
+
+        @pl.when(b >= nb)
+        def _():
+            t = y_ref.shape[0] - npairs - 1
+            tok = jnp.minimum((b - nb) * block_m + jnp.arange(block_m), t - 1)
+            y_ref[npairs + 1 + tok, cols] = block(lambda ks: sd_ref[cols, ks])  # unweighted
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("limit", "block_m", "bn_up", "bk_up", "bn_down", "bk_down", "warps_up", "warps_down",
+                     "stages", "shared_limit", "interpret"),
+)
+def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block_m=16, bn_up=32, bk_up=256,
+                  bn_down=64, bk_down=256, warps_up=4, warps_down=4, stages=3, shared=None, shared_limit=0.0,
+                  interpret=None, y_init=None):
+    """Σ_k w·E_k(x) as [T, D] f32; same arguments and result as `experts_gathered`.
+
+    x: [T, D]; w_gate/w_up: [E, I, D]; w_down: [E, D, I] (torch [out, in]); weights: [T, k] f32;
+    experts: [T, k] int32. `shared=(w_gate [I, D], w_up [I, D], w_down [D, I])` also runs the shared expert
+    (clamped at `shared_limit`) as extra blocks of the same two launches and adds it, unweighted, to the
+    result. `y_init` ([NP + 1 (+ T), D] f32, tests only) seeds the output rows so that a row no kernel
+    wrote shows up.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    t, d = x.shape
+    n_exp, i_dim, _ = w_gate.shape
+    top_k = experts.shape[1]
+    npairs = t * top_k
+    if shared is not None and shared[0].shape != (i_dim, d):
+        raise ValueError(f"a fused shared expert needs width {i_dim}, got {shared[0].shape}")
+    bn_up, bk_up = _tile(i_dim, bn_up), _tile(d, bk_up)
+    bn_down, bk_down = _tile(d, bn_down), _tile(i_dim, bk_down)
+    ids, blk, _, _ = moe_align(experts, block_m=block_m, n_blocks=n_blocks_for(npairs, block_m, n_exp),
+                               interpret=interpret)
+    nb, slots = blk.shape[0], ids.shape[0]
+    ns = 0 if shared is None else pl.cdiv(t, block_m)  # shared-expert blocks
+
+    def params(warps):
+        return None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+
+    h = pl.pallas_call(
+        functools.partial(_up_kernel, npairs=npairs, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
+                          limit=float(limit), shared_limit=float(shared_limit)),
+        out_shape=jax.ShapeDtypeStruct((slots + ns * block_m, i_dim), x.dtype),
+        grid=(nb + ns, i_dim // bn_up),
+        compiler_params=params(warps_up),
+        interpret=interpret,
+        name="moe_up_swiglu",
+    )(ids, blk, x, w_gate, w_up, *(() if shared is None else shared[:2]))
+
+    down_args = (ids, blk, weights.reshape(-1).astype(F32), h, w_down) + (() if shared is None else shared[2:])
+    aliases = {}
+    if y_init is not None:
+        down_args, aliases = down_args + (y_init,), {len(down_args): 0}
+    rows = npairs + 1 + (t if ns else 0)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, npairs=npairs, block_m=block_m, bn=bn_down, bk=bk_down, has_shared=ns > 0),
+        out_shape=jax.ShapeDtypeStruct((rows, d), F32),
+        grid=(nb + ns, d // bn_down),
+        input_output_aliases=aliases,
+        compiler_params=params(warps_down),
+        interpret=interpret,
+        name="moe_down_combine",
+    )(*down_args)
+    out = y[:npairs].reshape(t, top_k, d).sum(axis=1)  # f32 sum over the k slots
+    return out + y[npairs + 1:] if ns else out
+
+
+def _inputs(key, t, d, i, e, k, dtype):
+    ks = jax.random.split(key, 6)
+    x = jax.random.normal(ks[0], (t, d), F32).astype(dtype)
+    wg = (jax.random.normal(ks[1], (e, i, d), F32) / d**0.5).astype(dtype)
+    wu = (jax.random.normal(ks[2], (e, i, d), F32) / d**0.5).astype(dtype)
+    wd = (jax.random.normal(ks[3], (e, d, i), F32) / i**0.5).astype(dtype)
+    ex = jax.vmap(lambda kk: jax.random.permutation(kk, e)[:k])(jax.random.split(ks[4], t)).astype(jnp.int32)
+    w = jax.random.uniform(ks[5], (t, k), F32)
+    return x, wg, wu, wd, w, ex
+
+
+if __name__ == "__main__":  # GPU: sweep tiles at Flash size, check each, µs and % of the byte floor
+    d, i, e, k, layers = 2560, 768, 512, 8, 8
+    bw = 4.3e12  # B/s; bench/moe_bench.py measures it in the same run
+    for t in (1, 6):
+        sets = [_inputs(jax.random.key(l), t, d, i, e, k, jnp.bfloat16) for l in range(layers)]
+        want = experts_gathered(*sets[0])
+        n_dist = sum(len(set(jax.device_get(s[5]).ravel().tolist())) for s in sets) / layers
+        floor_us = n_dist * 3 * i * d * 2 / bw * 1e6
+        for bn_up, bk_up, bn_down, stages in [(16, 256, 64, 3), (32, 256, 64, 3), (32, 512, 128, 4), (64, 256, 128, 3)]:
+            kw = dict(bn_up=bn_up, bk_up=bk_up, bn_down=bn_down, stages=stages)
+            err = float(jnp.abs(fused_experts(*sets[0], **kw) - want).max() / jnp.abs(want).max())
+            run = jax.jit(lambda ss, kw=kw: jax.lax.fori_loop(0, 50, lambda _, acc: acc + sum(
+                fused_experts(*s[:4], s[4] + acc[0, 0] * 0, s[5], **kw)[0, 0] for s in ss), 0.0))
+            run(sets).block_until_ready()
+            t0 = time.perf_counter()
+            run(sets).block_until_ready()
+            us = (time.perf_counter() - t0) / (50 * layers) * 1e6
+            print(f"T={t} {kw}: err {err:.1e}, {us:.1f} us, {100 * floor_us / us:.0f}% of floor {floor_us:.1f} us")

@@ -1,0 +1,77 @@
+"""The speculative round as one jitted program over one donated state pytree.
+
+round: draft -> verify -> accept -> commit -> extend. Nothing in it needs a host value: the
+committed length s, the bonus token, the accept count n and every index derived from them are
+device values under fixed shapes, so the host can enqueue round k+1 before round k finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lingjax import cache as cache_lib
+from lingjax.sampling import SamplingParams, sample
+from lingjax.spec.accept import accept
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecState:
+    cache: cache_lib.ModelCache  # target caches (KDA committed state, MLA latent caches)
+    draft: object  # the drafter's own state pytree
+    s: jax.Array  # int32: committed length (tokens the target has consumed)
+    bonus: jax.Array  # int32: x_s, emitted but not yet consumed by the target
+    round: jax.Array  # int32: rounds run so far (keys are fold_in(base_key, round))
+    key: jax.Array  # base PRNG key
+
+
+class SpecProgram:
+    """Jitted prefill and round for one (model, drafter, sampling) combination."""
+
+    def __init__(self, model, drafter, sampling: SamplingParams):
+        self.model, self.drafter, self.sampling = model, drafter, sampling
+        self.prefill_chunk = jax.jit(self._prefill_chunk, static_argnames=("last",),
+                                     donate_argnames=("cache", "draft"))
+        self.round = jax.jit(self._round, donate_argnames=("state",))
+
+    def _module(self, params):
+        return nnx.merge(self.model.graphdef, params)
+
+    def _prefill_chunk(self, params, cache, draft, tokens, start, n_valid, next_token, key, last: bool):
+        """One prompt chunk through the target, then through the drafter. On the last chunk the
+        token after the prompt is the target's own first token b, sampled here."""
+        module = self._module(params)
+        kernels = self.model.kernels
+        hidden, cache = module.forward(tokens, cache, start, n_valid, kernels)
+        if last:
+            logits = module.lm_logits(jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False))
+            next_token = sample(logits, jax.random.fold_in(key, 0), self.sampling)
+        draft = self.drafter.prefill(module, draft, tokens, hidden, start, n_valid, next_token, kernels)
+        return next_token, cache, draft
+
+    def _round(self, params, state: SpecState):
+        """-> (next state, int32 [S+2] output)."""
+        module = self._module(params)
+        kernels = self.model.kernels
+        key = jax.random.fold_in(state.key, state.round + 1)
+        with jax.named_scope("draft"):
+            drafts, draft = self.drafter.propose(module, state.draft, state.bonus, state.s, kernels)
+        with jax.named_scope("verify"):
+            inputs = jnp.concatenate([state.bonus[None], drafts])  # [S+1]: b, d_1..d_S
+            hidden, cache, staging = module.verify(inputs, state.cache, state.s, kernels)
+            logits = module.lm_logits(hidden)  # [S+1, V], lm_head read once for all rows
+        with jax.named_scope("accept"):
+            n, tokens = accept(drafts, logits, key, self.sampling)
+        with jax.named_scope("commit"):
+            cache = cache_lib.commit(cache, staging, n)
+        with jax.named_scope("draft_extend"):
+            draft = self.drafter.extend(module, draft, tokens, hidden, state.s, n, kernels)
+        new_state = SpecState(cache=cache, draft=draft, s=state.s + n + 1, bonus=tokens[n],
+                              round=state.round + 1, key=state.key)
+        # One small array for the host's one read: [t_0..t_S, count]; the first count = n+1 tokens
+        # (the accept length) are this round's new tokens.
+        return new_state, jnp.concatenate([tokens, (n + 1)[None]])

@@ -1,0 +1,259 @@
+"""Speculative decoding: lossless greedy output, acceptance rules, KDA staging/commit, the host loop."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lingjax
+from conftest import FIXTURES, key_for, rel_err
+from lingjax import engine
+from lingjax.cache import commit
+from lingjax.sampling import SamplingParams
+from lingjax.spec.accept import greedy_accept, target_only_accept
+
+
+@functools.cache
+def _tiny():
+    return lingjax.load("tiny", dtype="float32", seed=3)
+
+
+def _prompt(n, seed):
+    return np.random.default_rng(seed).integers(0, 500, n).tolist()
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleDrafter:
+    """Proposes the given continuation of the sequence (the target's own greedy output), with the
+    draft at absolute position p made wrong when (p² + p // 2) % corrupt_every == 0 (an irregular
+    pattern, so accept lengths vary; corrupt_every=1: every draft wrong). Its state is the sequence."""
+
+    sequence: tuple
+    steps: int
+    vocab: int
+    corrupt_every: int = 0
+
+    def init(self, module, capacity):
+        seq = np.zeros(capacity + 2 * self.steps + 2, np.int32)
+        seq[: len(self.sequence)] = self.sequence
+        return jnp.asarray(seq)
+
+    def prefill(self, module, state, tokens, hidden, start, n_valid, next_token, kernels):
+        return state
+
+    def propose(self, module, state, bonus, s, kernels):
+        positions = s + 1 + jnp.arange(self.steps)
+        drafts = jax.lax.dynamic_slice_in_dim(state, s + 1, self.steps)
+        if self.corrupt_every:
+            wrong = (positions * positions + positions // 2) % self.corrupt_every == 0
+            drafts = jnp.where(wrong, (drafts + 1) % self.vocab, drafts)
+        return drafts, state
+
+    def extend(self, module, state, tokens, hidden, s, n, kernels):
+        return state
+
+
+def _oracle(model, prompt, greedy, steps, corrupt_every=0):
+    return OracleDrafter(tuple(prompt) + tuple(greedy), steps, model.cfg.vocab_size, corrupt_every)
+
+
+# ---- lossless greedy ------------------------------------------------------------------------------
+@pytest.mark.parametrize("steps", [1, 3, 5, 7])
+def test_nextn_greedy_equals_plain_greedy_256_tokens(steps):
+    model = _tiny()
+    for seed, length in [(0, 9), (1, 40)]:
+        prompt = _prompt(length, seed)
+        plain = lingjax.generate(model, prompt, 256, ignore_eos=True).tokens
+        spec = lingjax.generate(model, prompt, 256, ignore_eos=True, spec="nextn", steps=steps)
+        assert spec.tokens == plain
+        assert len(spec.accept_lens) >= 1 and all(1 <= a <= steps + 1 for a in spec.accept_lens)
+        # partly right drafts: accept lengths vary, every commit row gets used
+        oracle = _oracle(model, prompt, plain, steps, corrupt_every=3)
+        mixed = lingjax.generate(model, prompt, 256, ignore_eos=True, drafter=oracle)
+        assert mixed.tokens == plain
+        if steps > 1:
+            assert len(set(mixed.accept_lens)) > 1
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5, 7])
+def test_nextn_greedy_matches_hf_fixture(steps):
+    directory = FIXTURES / "tiny_c"  # the fixture that carries MTP tensors
+    ref = np.load(directory / "reference.npz")
+    model = lingjax.load(directory, dtype="float32")
+    result = lingjax.generate(model, ref["prompt_ids"], 32, ignore_eos=True, spec="nextn", steps=steps)
+    assert result.tokens == ref["greedy_tokens"].tolist()
+
+
+def test_perfect_draft_accepts_everything():
+    model, steps = _tiny(), 5
+    prompt = _prompt(12, 2)
+    plain = lingjax.generate(model, prompt, 64, ignore_eos=True).tokens
+    result = lingjax.generate(model, prompt, 64, ignore_eos=True, drafter=_oracle(model, prompt, plain, steps))
+    assert result.tokens == plain
+    assert result.accept_lens[:-1] == [steps + 1] * (len(result.accept_lens) - 1)
+    assert len(result.accept_lens) == 1 + -(-(64 - 1) // (steps + 1)) - 1 or result.accept_lens[-1] == steps + 1
+
+
+def test_zero_accept_every_round():
+    model, steps = _tiny(), 4
+    prompt = _prompt(12, 3)
+    plain = lingjax.generate(model, prompt, 40, ignore_eos=True).tokens
+    wrong = _oracle(model, prompt, plain, steps, corrupt_every=1)
+    result = lingjax.generate(model, prompt, 40, ignore_eos=True, drafter=wrong)
+    assert result.tokens == plain and set(result.accept_lens) == {1}
+
+
+def test_stop_token_inside_accepted_draft():
+    model, steps = _tiny(), 5
+    prompt = _prompt(8, 4)
+    plain = lingjax.generate(model, prompt, 40, ignore_eos=True).tokens
+    stop_at = 9  # 1 prefill token + one full round of 6 + 2 into the next round
+    stop = plain[stop_at]
+    first = plain.index(stop)
+    result = lingjax.generate(model, prompt, 40, stop_ids=[stop], ignore_eos=True,
+                              drafter=_oracle(model, prompt, plain, steps))
+    assert result.tokens == plain[: first + 1] and result.stop_reason == "stop"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_max_new_tokens_inside_a_round(n):
+    model = _tiny()
+    prompt = _prompt(6, 5)
+    plain = lingjax.generate(model, prompt, n, ignore_eos=True).tokens
+    spec = lingjax.generate(model, prompt, n, ignore_eos=True, drafter=_oracle(model, prompt, plain * 3, 5))
+    assert spec.tokens == plain and len(spec.tokens) == n
+
+
+def test_greedy_then_sampled_then_greedy_is_unpolluted():
+    model = _tiny()
+    prompt = _prompt(10, 6)
+    first = lingjax.generate(model, prompt, 48, ignore_eos=True, spec="nextn", steps=3).tokens
+    sampled = [lingjax.generate(model, prompt, 48, temperature=1.3, top_p=0.9, seed=s, ignore_eos=True,
+                                spec="nextn", steps=3).tokens for s in (1, 2)]
+    again = lingjax.generate(model, prompt, 48, ignore_eos=True, spec="nextn", steps=3).tokens
+    assert again == first and sampled[0] != sampled[1]
+    repeat = lingjax.generate(model, prompt, 48, temperature=1.3, top_p=0.9, seed=1, ignore_eos=True,
+                              spec="nextn", steps=3).tokens
+    assert repeat == sampled[0]
+
+
+def test_speculation_without_mtp_layer_fails_clearly():
+    model = lingjax.load(FIXTURES / "tiny_a", dtype="float32")
+    with pytest.raises(ValueError, match="MTP layer"):
+        lingjax.generate(model, [1, 2, 3], 4, spec="nextn")
+
+
+# ---- acceptance rules --------------------------------------------------------------------------
+def _one_hot_logits(targets, vocab=8):
+    return jnp.where(jnp.arange(vocab)[None, :] == jnp.asarray(targets)[:, None], 5.0, 0.0)
+
+
+@pytest.mark.parametrize("drafts, targets, n, emitted", [
+    ([1, 2, 3], [1, 2, 3, 4], 3, [1, 2, 3, 4]),  # all accepted, bonus from the last row
+    ([5, 2, 3], [1, 2, 3, 4], 0, [1]),  # first rejected: the target's own token
+    ([1, 2, 7], [1, 2, 3, 4], 2, [1, 2, 3]),  # last rejected
+    ([1, 6, 3], [1, 2, 3, 4], 1, [1, 2]),  # a later match after a mismatch does not count
+])
+def test_greedy_accept_table(drafts, targets, n, emitted):
+    got_n, tokens = greedy_accept(jnp.asarray(drafts, jnp.int32), _one_hot_logits(targets))
+    assert int(got_n) == n and tokens[: n + 1].tolist() == emitted
+
+
+def test_target_only_accept_is_lossless():
+    """The first emitted token is distributed as the target's p_0 whatever the draft proposes."""
+    vocab, draws = 6, 40000
+    logits = jax.random.normal(key_for("accept-logits"), (3, vocab)) * 1.5
+    params = SamplingParams(temperature=0.8)
+    p0 = np.asarray(jax.nn.softmax(logits[0] / 0.8))
+    for draft in (int(np.argmax(p0)), int(np.argmin(p0))):
+        drafts = jnp.asarray([draft, 2], jnp.int32)
+        keys = jax.random.split(key_for("accept-draws", draft), draws)
+        _, tokens = jax.vmap(lambda k: target_only_accept(drafts, logits, k, params))(keys)
+        freq = np.bincount(np.asarray(tokens[:, 0]), minlength=vocab) / draws
+        assert np.abs(freq - p0).max() < 4 * np.sqrt(p0.max() / draws) + 1e-3
+
+
+# ---- KDA staging and commit ------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [0, 2, 5])
+def test_verify_then_commit_equals_sequential_decode(n):
+    """Commit of row n after a verify over [b, d_1..d_5] leaves the caches exactly as decoding
+    b, d_1..d_n one token at a time; staged rows past n are never read (poisoned with NaN)."""
+    model = _tiny()
+    module = model.module
+    prompt = _prompt(20, 7)
+    window = _prompt(6, 8)
+    cache = model.new_cache(64)
+    _, cache = module.forward(jnp.asarray(prompt, jnp.int32), cache, 0, len(prompt))
+    hidden, verified, staging = module.verify(jnp.asarray(window, jnp.int32), cache, len(prompt))
+    poisoned = tuple(None if st is None else dataclasses.replace(
+        st, states=st.states.at[n + 1:].set(jnp.nan), windows=st.windows.at[n + 1:].set(jnp.nan))
+        for st in staging)
+    committed = commit(verified, poisoned, jnp.int32(n))
+    seq = cache
+    rows = []
+    for i in range(n + 1):
+        h, seq = module.forward(jnp.asarray(window[i : i + 1], jnp.int32), seq, len(prompt) + i, 1)
+        rows.append(h[0])
+    for got, want in zip(committed.layers, seq.layers):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            if a.shape[0] == 64:  # MLA latent cache: compare the committed prefix
+                a, b = a[: len(prompt) + n + 1], b[: len(prompt) + n + 1]
+            assert rel_err(a, b) < 1e-5
+    assert rel_err(hidden[: n + 1], jnp.stack(rows)) < 1e-5
+
+
+# ---- the host loop ---------------------------------------------------------------------------------
+def test_host_loop_reads_only_through_host_read_and_runs_ahead(monkeypatch):
+    """Every device->host read in the steady-state loop goes through engine.host_read, once per
+    round, and round k+1 is dispatched before round k's output is read. A read anywhere else (int(),
+    np.asarray, .item() on a device array) raises here; on the CPU backend jax.transfer_guard cannot
+    see such reads, so this test watches the array type itself."""
+    from jax._src.array import ArrayImpl
+
+    model = _tiny()
+    prompt = _prompt(9, 9)
+    lingjax.generate(model, prompt, 30, ignore_eos=True, spec="nextn", steps=3)  # compile first
+    program = model.spec_program(engine._make_drafter(model, "nextn", 3), SamplingParams())
+    events, allowed = [], [False]
+
+    def forbid(name):
+        original = getattr(ArrayImpl, name)
+
+        def guarded(self, *args, **kwargs):
+            if not allowed[0]:
+                raise AssertionError(f"blocking device->host read through ArrayImpl.{name} outside host_read")
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(ArrayImpl, name, guarded)
+
+    for name in ("__array__", "__int__", "__float__", "__bool__", "__index__", "item", "tolist"):
+        forbid(name)
+    real_read = engine.host_read
+
+    def watched_read(x):
+        events.append("read")
+        allowed[0] = True
+        try:
+            return real_read(x)
+        finally:
+            allowed[0] = False
+
+    real_round = program.round
+    monkeypatch.setattr(engine, "host_read", watched_read)
+    monkeypatch.setattr(program, "round", lambda *a: events.append("round") or real_round(*a))
+    # the host builds the prompt chunks from numpy, never from device arrays
+    result = lingjax.generate(model, prompt, 30, ignore_eos=True, spec="nextn", steps=3)
+    rounds, reads = events.count("round"), events.count("read")
+    assert reads in (rounds, rounds + 1)  # the first token, then one read per round (the last may be dropped)
+    # round k+1 is launched before round k's output is read: every read but the last follows a launch
+    assert all(events[i - 1] == "round" for i, e in enumerate(events[:-1]) if e == "read"), events
+    assert len(result.tokens) == 30
+
+
+@pytest.mark.parametrize("bad", [dict(spec="eagle"), dict(spec="nextn", steps=0), dict(spec="nextn", steps=16)])
+def test_bad_spec_arguments(bad):
+    with pytest.raises(ValueError):
+        lingjax.generate(_tiny(), [1, 2], 4, **bad)
