@@ -40,11 +40,13 @@ def cmd_generate(args) -> int:
 
     result = lingjax.generate(model, args.prompt_ids, args.max_new_tokens, temperature=args.temperature,
                               seed=args.seed, stop_ids=args.stop_ids, top_k=args.top_k, top_p=args.top_p,
-                              ignore_eos=args.ignore_eos, on_token=show)
+                              ignore_eos=args.ignore_eos, on_token=show, spec=args.spec, steps=args.steps)
     print()
+    accept = f"; mean accept length {result.mean_accept_len:.2f} over {len(result.accept_lens)} rounds" \
+        if args.spec else ""
     print(f"{len(result.tokens)} tokens ({result.stop_reason}); prompt {result.prompt_len}; "
           f"TTFT {result.ttft_s * 1e3:.1f} ms; TPOT mean {result.tpot_mean_s * 1e3:.2f} ms, "
-          f"median {result.tpot_median_s * 1e3:.2f} ms (first call includes compilation)", file=sys.stderr)
+          f"median {result.tpot_median_s * 1e3:.2f} ms{accept} (first call includes compilation)", file=sys.stderr)
     return 0
 
 
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (and preset weights' seed)")
     g.add_argument("--stop-ids", type=_ids, default=[], help="extra stop token ids")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's EOS ids")
+    g.add_argument("--spec", choices=["nextn"], default=None, help="speculate with the MTP layer")
+    g.add_argument("--steps", type=int, default=5, help="drafts per speculative round (verify width steps+1)")
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     g.add_argument("--kernels", choices=["xla", "pallas"], default="xla")
     g.set_defaults(run=cmd_generate)

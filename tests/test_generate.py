@@ -127,3 +127,13 @@ def test_cli_reports_bad_checkpoint(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     assert cli.main(["generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1"]) == 2
     assert "lingjax: error:" in capsys.readouterr().err
+
+
+def test_cli_generate_speculative(capsys):
+    args = ["generate", "--model", "tiny", "--prompt-ids", "4 5 6", "--max-new-tokens", "7", "--ignore-eos",
+            "--dtype", "float32"]
+    assert cli.main(args) == 0
+    plain = capsys.readouterr().out.split()
+    assert cli.main(args + ["--spec", "nextn", "--steps", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == plain and "mean accept length" in err
