@@ -1,0 +1,345 @@
+"""KDA kernels on one GPU, in one process tree: correctness against the references, then timings.
+
+  python bench/kda_bench.py [--out results.json]
+
+Method (the write-up's): rotating cold inputs (R = 64 distinct states and activation sets per graph,
+128 MiB+ of state, over the 60 MB L2), in-graph timing (one jitted fori_loop whose body calls the
+kernel R times on distinct buffers), medians of many runs. Byte floors use the bandwidth of a bf16
+copy measured in the same run. fla (fla-core, PyTorch + Triton) runs first in a child process,
+CUDA-graph-captured over the same rotation, so JAX does not hold its memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SMALL = bool(os.environ.get("KDA_BENCH_SMALL"))  # CPU smoke test of this script (interpret mode)
+H, D, W = (2, 16, 4) if SMALL else (32, 128, 4)
+P = H * D
+R = 4 if SMALL else 64  # rotating input sets per graph
+TS = (1, 6, 16)
+PREFILL_T = 96 if SMALL else 8192
+BUDGET_S = float(os.environ.get("KDA_BENCH_BUDGET_S", 200))  # JAX part: optional sweeps stop after this
+
+
+# ---------------------------------------------------------------- fla (PyTorch) child process
+def fla_main():
+    import torch
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    dev, res = "cuda", {}
+    torch.manual_seed(0)
+
+    def rnd_inputs(t, n):
+        q = torch.nn.functional.normalize(torch.randn(n, 1, t, H, D, device=dev), dim=-1)
+        k = torch.nn.functional.normalize(torch.randn(n, 1, t, H, D, device=dev), dim=-1)
+        v = torch.randn(n, 1, t, H, D, device=dev)
+        g = -5.0 * torch.sigmoid(2 * torch.randn(n, 1, t, H, D, device=dev))
+        beta = torch.sigmoid(torch.randn(n, 1, t, H, device=dev))
+        s = torch.randn(n, 1, H, D, D, device=dev)
+        bf = torch.bfloat16
+        return q.to(bf), k.to(bf), v.to(bf), g, beta.to(bf), s
+
+    def graph_time(fn, calls, reps=30):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / calls)
+        return statistics.median(times)
+
+    for t in TS:
+        q, k, v, g, beta, s = rnd_inputs(t, R)
+
+        def run():
+            for i in range(R):
+                fused_recurrent_kda(q[i], k[i], v[i], g[i], beta[i], initial_state=s[i], output_final_state=True)
+
+        try:
+            res[f"fused_recurrent_T{t}"] = graph_time(run, R)
+        except Exception as e:  # report and go on
+            res[f"fused_recurrent_T{t}"] = f"failed: {type(e).__name__}: {e}"[:300]
+        print(json.dumps(res), flush=True)
+    q, k, v, g, beta, s = rnd_inputs(PREFILL_T, 2)
+    for safe in (False, True):
+        kw = dict(safe_gate=True, lower_bound=-5.0) if safe else {}
+
+        def run_chunk():
+            for i in range(2):
+                chunk_kda(q[i], k[i], v[i], g[i], beta[i], initial_state=s[i], output_final_state=True, **kw)
+
+        try:
+            with torch.inference_mode():
+                run_chunk()
+                torch.cuda.synchronize()
+                times = []
+                for _ in range(15):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    run_chunk()
+                    b.record()
+                    b.synchronize()
+                    times.append(a.elapsed_time(b) * 1e3 / 2)
+            res[f"chunk_kda{'_safe' if safe else ''}_T{PREFILL_T}"] = statistics.median(times)
+        except Exception as e:
+            res[f"chunk_kda{'_safe' if safe else ''}_T{PREFILL_T}"] = f"failed: {type(e).__name__}: {e}"[:300]
+        print(json.dumps(res), flush=True)
+
+
+# ---------------------------------------------------------------- JAX side
+def _import_kernels_only():
+    """Import lingjax's kernels and references without lingjax/__init__ (the model runtime), so the
+    bench runs whatever state the rest of the package is in."""
+    import types
+
+    if "lingjax" not in sys.modules:
+        pkg = types.ModuleType("lingjax")
+        pkg.__path__ = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lingjax")]
+        sys.modules["lingjax"] = pkg
+
+
+def jax_main(out_path):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    _import_kernels_only()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from lingjax.ops import kda
+    from lingjax.pallas.kda_chain import kda_chain_verify, kda_commit, kda_commit_reference
+    from lingjax.pallas.kda_prefill import kda_chunked_prefill
+
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "rows": []}
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.abs(a - b).max() / np.abs(b).max()) if np.isfinite(a).all() else float("nan")
+
+    def median_time(fn, args, calls, reps=15):
+        out = fn(*args)
+        jax.block_until_ready(out)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append((time.perf_counter() - t0) * 1e6 / calls)
+        return statistics.median(times)
+
+    # bandwidth: a 2 GiB bf16 copy (read + write), in-graph
+    x = jnp.ones((1 << 30,), bf16) * 1.5
+
+    @jax.jit
+    def copy_loop(x):
+        return lax.fori_loop(0, 10, lambda i, y: y * (1 + 0 * i).astype(bf16), x)
+
+    bw = 2 * x.nbytes * 10 / (median_time(copy_loop, (x,), 1, reps=7) * 1e-6)
+    del x
+    results["bandwidth_GBps"] = bw / 1e9
+    print(f"bf16 copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
+
+    def chain_inputs(key, t):
+        ks = jax.random.split(key, 5)
+        return (jax.random.normal(ks[0], (R, t, 3 * P), bf16), jax.random.normal(ks[1], (R, t, P), bf16),
+                jax.random.normal(ks[2], (R, t, H), bf16), jax.random.normal(ks[3], (R, W - 1, 3 * P), bf16),
+                jax.random.normal(ks[4], (R, H, D, D), f32))
+
+    kw = jax.random.split(jax.random.key(1), 3)
+    conv_w = 0.5 * jax.random.normal(kw[0], (3 * P, W), f32)
+    a_log = jnp.log(jax.random.uniform(kw[1], (H,), minval=1, maxval=16))
+    dt_bias = jax.random.normal(kw[2], (P,), f32)
+    cfg = dict(num_heads=H, safe_gate=True, lower_bound=-5.0)
+
+    def chain_floor(t):
+        return (H * D * D * 4 * (1 + t) + t * H * D * 4 + t * 5 * P * 2 + t * H * 2 + (W - 1) * 3 * P * 2
+                + 3 * P * W * 4 + P * 4 + H * 4) / bw * 1e6
+
+    def chain_loop(fn, iters):
+        """In-graph: per iteration, fn on each of the R rotating input sets (distinct buffers)."""
+        @jax.jit
+        def run(xs):
+            def body(i, carry):
+                al = a_log + i.astype(f32) * 0.0  # keeps the calls inside the loop
+                return tuple(fn(*(a[r] for a in xs[:4]), conv_w, al, dt_bias, xs[4][r]) for r in range(R))
+            shapes = jax.eval_shape(lambda: fn(*(a[0] for a in xs[:4]), conv_w, a_log, dt_bias, xs[4][0]))
+            init = tuple(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes) for _ in range(R))
+            return lax.fori_loop(0, iters, body, init)
+        return run
+
+    def split(xs):  # rotate over distinct buffers, not slices of one (a slice would be copied)
+        return tuple([a[r] for r in range(R)] for a in xs)
+
+    def add_row(name, us, floor_us, **extra):
+        row = dict(name=name, us=us, floor_us=floor_us, ratio=us / floor_us, **extra)
+        results["rows"].append(row)
+        print(f"{name:48s} {us:9.2f} us  floor {floor_us:7.2f} us  x{us / floor_us:5.2f}  {extra}", flush=True)
+
+    # ---- correctness on the GPU
+    for t in TS:
+        xs = chain_inputs(jax.random.key(t), t)
+        args = (xs[0][0], xs[1][0], xs[2][0], xs[3][0], conv_w, a_log, dt_bias, xs[4][0])
+        ref = jax.jit(lambda *a: kda.kda_chain(*a, **cfg))
+        with jax.default_matmul_precision("highest"):
+            o_ref, st_ref = ref(*args)
+        for bv in (4, 16, 128):
+            o, st = kda_chain_verify(*args, **cfg, block_v=bv)
+            print(f"check chain T={t} BV={bv}: o {rel(o, o_ref):.2e} staged {rel(st, st_ref):.2e}", flush=True)
+            results.setdefault("checks", {})[f"chain_T{t}_BV{bv}"] = max(rel(o, o_ref), rel(st, st_ref))
+        wins = kda.conv_windows(args[3], args[0])
+        for n in (0, t - 1):
+            s, w = kda_commit(st_ref, wins, jnp.int32(n))
+            ok = bool((s == st_ref[n]).all() and (w == wins[n]).all())
+            print(f"check commit T={t} n={n}: {'exact' if ok else 'MISMATCH'}", flush=True)
+            results["checks"][f"commit_T{t}_n{n}"] = ok
+
+    start = time.perf_counter()
+    best = {}
+    xs_t = {t: split(chain_inputs(jax.random.key(100 + t), t)) for t in TS}
+
+    def time_chain(t, bv, warps):
+        try:
+            fn = lambda *a: kda_chain_verify(*a, **cfg, block_v=bv, num_warps=warps)
+            t0 = time.perf_counter()
+            us = median_time(chain_loop(fn, 8), (xs_t[t],), 8 * R)
+            add_row(f"chain T={t} BV={bv} warps={warps}", us, chain_floor(t), T=t, BV=bv, warps=warps,
+                    build_s=round(time.perf_counter() - t0, 1))
+            if us < best.get(t, (1e9,))[0]:
+                best[t] = (us, bv, warps)
+        except Exception as e:
+            print(f"chain T={t} BV={bv} warps={warps} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+    # ---- chain-verify: core configs, the XLA reference, commit
+    for t in TS:
+        for bv, warps in ((8, 4), (16, 4)):
+            time_chain(t, bv, warps)
+        if t != 6 and time.perf_counter() - start > BUDGET_S / 2:
+            continue
+        fn = lambda *a: kda.kda_chain(*a, **cfg)
+        add_row(f"xla kda_chain T={t}", median_time(chain_loop(fn, 1), (xs_t[t],), R, reps=5), chain_floor(t), T=t)
+
+    t = 6
+    staged = [jax.random.normal(jax.random.key(r), (t, H, D, D), f32) for r in range(R)]
+    wins = [jax.random.normal(jax.random.key(1000 + r), (t, W - 1, 3 * P), bf16) for r in range(R)]
+    floor = (2 * H * D * D * 4 + 2 * (W - 1) * 3 * P * 2) / bw * 1e6
+    for name, fn in (("pallas kda_commit", kda_commit), ("xla dynamic-slice commit", kda_commit_reference)):
+        @jax.jit
+        def run(staged, wins, fn=fn):
+            def body(i, carry):
+                n = (i + 2) % t
+                return tuple(fn(staged[r], wins[r], n) for r in range(R))
+            init = tuple((jnp.zeros((H, D, D), f32), jnp.zeros((W - 1, 3 * P), bf16)) for _ in range(R))
+            return lax.fori_loop(0, 8, body, init)
+        add_row(f"{name} T={t}", median_time(run, (staged, wins), 8 * R), floor, T=t)
+    del staged, wins
+
+    # ---- prefill, 8192 tokens
+    ks = jax.random.split(jax.random.key(7), 6)
+    tp = PREFILL_T
+    q = (kda.l2norm(jax.random.normal(ks[0], (tp, H, D))) * D**-0.5).astype(bf16)
+    k = kda.l2norm(jax.random.normal(ks[1], (tp, H, D))).astype(bf16)
+    v = jax.random.normal(ks[2], (tp, H, D), bf16)
+    g = -5.0 * jax.nn.sigmoid(2 * jax.random.normal(ks[3], (tp, H, D)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (tp, H)))
+    s0 = jax.random.normal(ks[5], (H, D, D), f32)
+    pargs = (q, k, v, g, beta, s0)
+    with jax.default_matmul_precision("highest"):
+        o_ref, s_ref = jax.jit(kda.kda_recurrent)(*pargs)
+    pfloor = (3 * tp * P * 2 + tp * P * 4 + tp * H * 4 + 2 * H * D * D * 4 + tp * P * 4) / bw * 1e6
+
+    def time_prefill(bt, bv, warps, stages, prec="tf32x3"):
+        try:
+            fn = jax.jit(lambda *a: kda_chunked_prefill(*a, block_t=bt, block_v=bv, num_warps=warps,
+                                                        num_stages=stages, precision=prec))
+            o, s = fn(*pargs)
+            err = max(rel(o, o_ref), rel(s, s_ref))
+            add_row(f"prefill T={tp} BT={bt} BV={bv} warps={warps} stages={stages} {prec}",
+                    median_time(fn, pargs, 1, reps=9), pfloor, err=err)
+        except Exception as e:
+            print(f"prefill BT={bt} BV={bv} warps={warps} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+    for cfg_p in ((32, 32, 4, 2), (16, 32, 4, 2), (32, 32, 4, 2, "tf32"), (32, 32, 4, 2, "ieee")):
+        time_prefill(*cfg_p)
+    try:
+        fn = jax.jit(kda.kda_chunked)
+        add_row(f"xla kda_chunked T={tp}", median_time(fn, pargs, 1, reps=3), pfloor)
+    except Exception as e:
+        print(f"xla kda_chunked failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+    # ---- optional sweeps while the budget lasts (BV sweep at T=6 first, like the write-up's)
+    sweep = [(6, bv, 4) for bv in (4, 32, 64, 128)] + [(6, bv, w) for bv in (4, 8, 16) for w in (1, 2)]
+    sweep += [(t, bv, w) for t in (1, 16) for bv, w in ((4, 4), (32, 4), (4, 2), (8, 2), (16, 2))]
+    psweep = [(32, 64, 4, 2), (32, 16, 4, 2), (32, 32, 8, 2), (32, 32, 4, 1), (16, 64, 4, 2), (16, 16, 4, 2)]
+    while sweep or psweep:
+        if time.perf_counter() - start > BUDGET_S:
+            print(f"budget of {BUDGET_S:.0f} s spent: skipped {len(sweep)} chain and {len(psweep)} prefill configs")
+            break
+        if sweep:
+            time_chain(*sweep.pop(0))
+        if psweep and len(sweep) % 3 == 0:
+            time_prefill(*psweep.pop(0))
+    results["best_chain"] = {str(t): dict(us=u, BV=bv, warps=w) for t, (u, bv, w) in best.items()}
+    if out_path:
+        with open(out_path, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return results
+
+
+def summary(res, fla):
+    bw = res["bandwidth_GBps"] * 1e9
+    lines = [f"floors at the measured bf16 copy bandwidth {bw / 1e12:.2f} TB/s"]
+    for t in TS:
+        b = res["best_chain"].get(str(t))
+        ref = fla.get(f"fused_recurrent_T{t}")
+        ffloor = (H * D * D * 4 * 2 + t * 3 * P * 2 + t * P * 4 + t * H * 2 + t * P * 2) / bw * 1e6
+        fla_s = ref if not isinstance(ref, float) else f"{ref:.2f} us (its floor {ffloor:.2f}, x{ref / ffloor:.2f})"
+        if b:
+            lines.append(f"T={t}: pallas chain best {b['us']:.2f} us (BV={b['BV']}, warps={b['warps']}); "
+                         f"fla fused_recurrent {fla_s}")
+    for key in ("chunk_kda_T8192", "chunk_kda_safe_T8192"):
+        lines.append(f"fla {key}: {fla.get(key)}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fla-child", action="store_true", help="time fla (PyTorch) only, print JSON lines")
+    ap.add_argument("--fla-json", default=None, help="the fla child's output, for the summary")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kda_bench.json"))
+    a = ap.parse_args()
+    if a.fla_child:
+        return fla_main()
+    fla = {}
+    if a.fla_json and os.path.exists(a.fla_json):
+        lines = [ln for ln in open(a.fla_json).read().splitlines() if ln.startswith("{")]
+        fla = json.loads(lines[-1]) if lines else {"error": "no fla output"}
+    res = jax_main(None)
+    res["fla"] = fla
+    res["summary"] = summary(res, fla)
+    print("\n== summary ==\n" + res["summary"])
+    with open(a.out, "w") as fh:
+        json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Pallas KDA kernels (interpret mode on the CPU) against their plain-JAX references:
+chain-verify at every T in 1..16, commit, chunked prefill, and the model with kernels="pallas"
+for the KDA ops."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import key_for, rel_err
+from lingjax.ops import kda
+from lingjax.ops.norms import l2norm
+from lingjax.pallas.kda_chain import kda_chain_verify, kda_commit, kda_commit_reference
+from lingjax.pallas.kda_prefill import kda_chunked_prefill
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def _chain_inputs(seed, t, h, d, dtype, w=4):
+    ks = jax.random.split(key_for("pallas-chain", seed, t, h, d, str(dtype)), 8)
+    p = h * d
+    return (jax.random.normal(ks[0], (t, 3 * p)).astype(dtype),  # qkv
+            jax.random.normal(ks[1], (t, p)).astype(dtype),  # f
+            jax.random.normal(ks[2], (t, h)).astype(dtype),  # b
+            jax.random.normal(ks[3], (w - 1, 3 * p)).astype(dtype),  # window
+            0.5 * jax.random.normal(ks[4], (3 * p, w)),  # conv_w
+            jnp.log(jax.random.uniform(ks[5], (h,), minval=1, maxval=16)),  # a_log
+            jax.random.normal(ks[6], (p,)),  # dt_bias
+            jax.random.normal(ks[7], (h, d, d)))  # state
+
+
+def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8):
+    args = _chain_inputs(seed, t, h, d, dtype)
+    cfg = dict(num_heads=h, safe_gate=safe, lower_bound=-5.0)
+    o, staged = kda_chain_verify(*args, **cfg, block_v=block_v)
+    o_ref, staged_ref = kda.kda_chain(*args, **cfg)
+    assert o.shape == (t, h, d) and staged.shape == (t, h, d, d)
+    # interpret mode fills outputs with NaN before the kernel runs: rel_err fails on any unwritten element
+    assert rel_err(o, o_ref) <= TOL[dtype]
+    assert rel_err(staged, staged_ref) <= TOL[dtype]
+    return args, staged
+
+
+@pytest.mark.parametrize("t", range(1, 17))
+def test_chain_verify_every_t(t):
+    for seed in range(2):
+        _check_chain(t, 3, 16, jnp.float32, seed)
+
+
+@pytest.mark.parametrize("t", [1, 5, 16])
+def test_chain_verify_bf16_inputs(t):
+    for seed in range(2):
+        _check_chain(t, 3, 16, jnp.bfloat16, seed)
+
+
+def test_chain_verify_tiles_and_gate_forms():
+    """BV tiling (down to 4 columns) does not change results; the non-safe gate is fused too."""
+    args, staged = _check_chain(3, 1, 32, jnp.float32, 7, block_v=4)
+    _, staged_wide = kda_chain_verify(*args, num_heads=1, safe_gate=True, lower_bound=-5.0, block_v=32)
+    assert rel_err(staged, staged_wide) <= 1e-6
+    _check_chain(3, 1, 32, jnp.float32, 8, safe=False, block_v=4)
+
+
+def test_chain_verify_head_dim_128():
+    _check_chain(4, 1, 128, jnp.float32, 0, block_v=64)
+
+
+def test_chain_verify_rows_equal_sequential_decode():
+    """Verify row r's staged state = r+1 decode steps (T=1 calls) with the window carried along."""
+    t, h, d = 5, 3, 16
+    args = _chain_inputs(11, t, h, d, jnp.float32)
+    qkv, f, b, window, conv_w, a_log, dt_bias, state = args
+    cfg = dict(num_heads=h, safe_gate=True, lower_bound=-5.0)
+    o, staged = kda_chain_verify(*args, **cfg)
+    s, win = state, window
+    for r in range(t):
+        o_r, st_r = kda_chain_verify(qkv[r:r + 1], f[r:r + 1], b[r:r + 1], win, conv_w, a_log, dt_bias, s, **cfg)
+        s, win = st_r[0], kda.conv_windows(win, qkv[r:r + 1])[0]
+        assert rel_err(staged[r], s) <= 1e-5 and rel_err(o[r], o_r[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("t", [1, 4, 16])
+def test_commit_zero_and_all_accept(t):
+    h, d, w = 3, 16, 4
+    ks = jax.random.split(key_for("pallas-commit", t), 3)
+    staged = jax.random.normal(ks[0], (t, h, d, d))
+    windows = kda.conv_windows(jax.random.normal(ks[1], (w - 1, 3 * h * d), jnp.bfloat16),
+                               jax.random.normal(ks[2], (t, 3 * h * d), jnp.bfloat16))  # [T, W-1, 3P]
+    for n in sorted({0, t // 2, t - 1}):  # zero-accept, partial, all-accept
+        state, window = kda_commit(staged, windows, jnp.int32(n))
+        want_state, want_window = kda_commit_reference(staged, windows, jnp.int32(n))
+        assert np.array_equal(np.asarray(state), np.asarray(want_state))
+        assert np.array_equal(np.asarray(window, np.float32), np.asarray(want_window, np.float32))
+        assert not np.isnan(np.asarray(state)).any()
+
+
+def _prefill_inputs(seed, t, h, d, pad=0):
+    ks = jax.random.split(key_for("pallas-prefill", seed, t, h, d), 6)
+    q = l2norm(jax.random.normal(ks[0], (t, h, d))) * d**-0.5
+    k = l2norm(jax.random.normal(ks[1], (t, h, d)))
+    v = jax.random.normal(ks[2], (t, h, d))
+    g = -5.0 * jax.nn.sigmoid(2 * jax.random.normal(ks[3], (t, h, d)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (t, h)))
+    if pad:  # padding rows: g = 0, beta = 0
+        g, beta = g.at[t - pad:].set(0.0), beta.at[t - pad:].set(0.0)
+    return q, k, v, g, beta, jax.random.normal(ks[5], (h, d, d))
+
+
+@pytest.mark.parametrize("t,h,d,block_t,block_v", [(40, 3, 16, 16, 16), (70, 1, 32, 32, 16)])
+def test_chunked_prefill_matches_references(t, h, d, block_t, block_v):
+    for seed in range(2):
+        args = _prefill_inputs(seed, t, h, d)
+        o, s = kda_chunked_prefill(*args, block_t=block_t, block_v=block_v)
+        o_ref, s_ref = kda.kda_chunked(*args)
+        assert rel_err(o, o_ref) <= 1e-5 and rel_err(s, s_ref) <= 1e-5
+        o_rec, s_rec = kda.kda_recurrent(*args)
+        assert rel_err(o, o_rec) <= 1e-5 and rel_err(s, s_rec) <= 1e-5
+
+
+def test_chunked_prefill_padding_rows_leave_state():
+    args = _prefill_inputs(5, 48, 3, 16, pad=13)
+    _, s = kda_chunked_prefill(*args, block_t=16, block_v=16)
+    _, s_ref = kda.kda_recurrent(*(a[:35] for a in args[:5]), args[5])
+    assert rel_err(s, s_ref) <= 1e-5
+
+
+def test_chunked_prefill_bf16_inputs():
+    q, k, v, g, beta, s0 = _prefill_inputs(6, 64, 3, 16)
+    args = (q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), g, beta, s0)
+    o, s = kda_chunked_prefill(*args, block_t=32, block_v=16)
+    o_ref, s_ref = kda.kda_recurrent(*(a.astype(jnp.float32) for a in args))
+    assert rel_err(o, o_ref) <= 1e-2 and rel_err(s, s_ref) <= 1e-2
+
+
+def test_model_logits_with_pallas_kda(hf_fixture, monkeypatch):
+    """The HF fixtures' f32 logits with the Pallas KDA kernels (MoE ops kept on their references)."""
+    import lingjax
+    from lingjax import kernels
+
+    ops = dict(kernels.OPS)
+    for name, (ref, _) in ops.items():
+        if not name.startswith("kda_"):
+            ops[name] = (ref, f"{ref.__module__}:{ref.__name__}")
+    monkeypatch.setattr(kernels, "OPS", ops)
+    assert kernels.missing_pallas_ops() == []
+    ref = np.load(hf_fixture / "reference.npz")
+    model = lingjax.load(hf_fixture, dtype="float32", kernels="pallas")
+    logits = model.logits(ref["prompt_ids"])
+    assert rel_err(logits, ref["logits"]) <= 1e-4
