@@ -203,7 +203,7 @@ if __name__ == "__main__":  # GPU: sweep tiles at Flash size, check each, µs an
         want = experts_gathered(*sets[0])
         n_dist = sum(len(set(jax.device_get(s[5]).ravel().tolist())) for s in sets) / layers
         floor_us = n_dist * 3 * i * d * 2 / bw * 1e6
-        for bn_up, bk_up, bn_down, stages in [(16, 256, 64, 3), (32, 256, 64, 3), (32, 512, 128, 4), (64, 256, 128, 3)]:
+        for bn_up, bk_up, bn_down, stages in [(16, 256, 64, 3), (32, 256, 64, 3), (64, 128, 64, 3)]:
             kw = dict(bn_up=bn_up, bk_up=bk_up, bn_down=bn_down, stages=stages)
             err = float(jnp.abs(fused_experts(*sets[0], **kw) - want).max() / jnp.abs(want).max())
             run = jax.jit(lambda ss, kw=kw: jax.lax.fori_loop(0, 50, lambda _, acc: acc + sum(

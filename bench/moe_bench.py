@@ -1,0 +1,238 @@
+"""One Flash-size MoE layer (D=2560, I=768, E=512, top-8, 8 groups / top-4, shared 768) on one GPU.
+
+In one process: (1) correctness of the Pallas router, align and experts against lingjax.ops.moe on the GPU;
+(2) the copy bandwidth (a large bf16 read+write) that every byte floor below uses; (3) a tile sweep of
+fused_experts alone; (4) whole MoE layers at T in {1, 6, 16}: plain XLA (ops.moe route + experts_gathered +
+mlp), the Pallas path as the model runs it (f32 router, shared expert in XLA), and the fast variant (bf16
+router, shared expert fused into the expert kernels); (5) align and router on their own.
+
+Timing is in-graph: a jitted fori_loop over 8 layers whose weights are distinct arrays (24 GB, so L2 never
+holds them), medians over repeated calls. Each layer's input is a fixed random x plus 1e-30 × the previous
+layer's output (bit-identical after rounding, but not loop-invariant), so routing is fixed per layer and
+the distinct-expert count of the floor is exact: floor = (distinct + shared) × 11.80 MB + router 2.62 MB.
+
+    python bench/moe_bench.py --out results.md          # GPU
+    python bench/moe_bench.py --smoke                   # CPU, tiny dims, interpret mode (script check)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lingjax.ops import moe as moe_ops
+from lingjax.pallas.moe_align import align_reference, moe_align
+from lingjax.pallas.moe_experts import fused_experts
+from lingjax.pallas.moe_router import route
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+LIMIT, SHARED_LIMIT = 4.0, 5.0  # the Flash clamps of the late layers (ling3_architecture.md §6.3)
+
+
+def timed(fn, *args, reps):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_layer(key, d, i, e):
+    ks = jax.random.split(key, 8)
+    w = lambda k, shape, fan_in: (jax.random.normal(k, shape, BF16) * fan_in**-0.5).astype(BF16)
+    return dict(router=w(ks[0], (e, d), d), bias=0.1 * jax.random.normal(ks[1], (e,), F32),
+                wg=w(ks[2], (e, i, d), d), wu=w(ks[3], (e, i, d), d), wd=w(ks[4], (e, d, i), i),
+                sg=w(ks[5], (i, d), d), su=w(ks[6], (i, d), d), sd=w(ks[7], (d, i), i))
+
+
+def xla_layer(x, p, cfg):
+    weights, experts = moe_ops.route(x, p["router"], p["bias"], **cfg)
+    y = moe_ops.experts_gathered(x, p["wg"], p["wu"], p["wd"], weights, experts, LIMIT)
+    return (y + moe_ops.mlp(x, p["sg"], p["su"], p["sd"], SHARED_LIMIT)).astype(x.dtype)
+
+
+def pallas_layer(x, p, cfg, precision="f32", fuse_shared=False, tiles=None, interpret=None):
+    weights, experts = route(x, p["router"], p["bias"], precision=precision, interpret=interpret, **cfg)
+    kw = dict(tiles or {}, interpret=interpret)
+    if fuse_shared:
+        y = fused_experts(x, p["wg"], p["wu"], p["wd"], weights, experts, LIMIT, shared=(p["sg"], p["su"], p["sd"]),
+                          shared_limit=SHARED_LIMIT, **kw)
+    else:
+        y = fused_experts(x, p["wg"], p["wu"], p["wd"], weights, experts, LIMIT, **kw)
+        y = y + moe_ops.mlp(x, p["sg"], p["su"], p["sd"], SHARED_LIMIT)
+    return y.astype(x.dtype)
+
+
+def loop_over_layers(layer_fn, n_iter):
+    """Jitted (layers, xs) -> n_iter rounds of layer_fn over all layers in one fori_loop (weights stay arguments)."""
+
+    def run(layers, xs):
+        def body(_, c):
+            for p, x in zip(layers, xs):
+                c = layer_fn((x.astype(F32) + 1e-30 * c.astype(F32)).astype(x.dtype), p)
+            return c
+
+        return jax.lax.fori_loop(0, n_iter, body, jnp.zeros_like(xs[0]))
+
+    return jax.jit(run)
+
+
+def rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)) if np.isfinite(got).all() else float("inf")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny dims, interpret mode, for a CPU check")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    smoke = args.smoke
+    d, i, e, n_layers = (64, 32, 64, 2) if smoke else (2560, 768, 512, 8)
+    cfg = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)
+    ts = (1, 6) if smoke else (1, 6, 16)
+    n_iter, reps = (1, 1) if smoke else (30, 7)
+    interp = None
+    lines, fails = [], []
+
+    def say(s=""):
+        print(s, flush=True)
+        lines.append(s)
+        if args.out:  # rewritten each line, so a run cut short still leaves its results
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+
+    dev = jax.devices()[0]
+    say(f"# MoE layer on {dev.device_kind} ({jax.default_backend()})")
+    say(f"date {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, jax {jax.__version__}")
+    say(f"command: python bench/moe_bench.py{' --smoke' if smoke else ''}")
+
+    # (1) correctness on this device
+    say("\n## correctness")
+    small = dict(d=256, i=128, e=32) if not smoke else dict(d=64, i=32, e=16)
+    for t in sorted(set(ts + (16,))):
+        ks = jax.random.split(jax.random.key(100 + t), 4)
+        p32 = jax.tree.map(lambda a: a.astype(F32), make_layer(ks[0], small["d"], small["i"], small["e"]))
+        x = jax.random.normal(ks[1], (t, small["d"]), F32)
+        cfg_s = dict(cfg, n_group=4, topk_group=2)
+        with jax.default_matmul_precision("highest"):
+            rw, re = moe_ops.route(x, p32["router"], p32["bias"], **cfg_s)
+            ref = moe_ops.experts_gathered(x, p32["wg"], p32["wu"], p32["wd"], rw, re, LIMIT)
+        gw, ge = route(x, p32["router"], p32["bias"], **cfg_s)
+        got = fused_experts(x, p32["wg"], p32["wu"], p32["wd"], rw, re, LIMIT)
+        ok = bool((ge == re).all()) and rel(gw, rw) < 1e-5 and rel(got, ref) < 1e-5
+        say(f"f32 small T={t}: router ids equal {bool((ge == re).all())}, weights {rel(gw, rw):.1e}, "
+            f"experts {rel(got, ref):.1e} {'PASS' if ok else 'FAIL'}")
+        fails += [] if ok else [f"f32 T={t}"]
+    flash = make_layer(jax.random.key(0), d, i, e)
+    for t in sorted(set(ts + (16,))):
+        x = jax.random.normal(jax.random.key(200 + t), (t, d), F32).astype(BF16)
+        with jax.default_matmul_precision("highest"):
+            rw, re = moe_ops.route(x, flash["router"], flash["bias"], **cfg)
+        ew = moe_ops.experts_gathered(x, flash["wg"], flash["wu"], flash["wd"], rw, re, LIMIT)
+        sh = moe_ops.mlp(x, flash["sg"], flash["su"], flash["sd"], SHARED_LIMIT)
+        gw, ge = route(x, flash["router"], flash["bias"], **cfg)
+        bw_, be_ = route(x, flash["router"], flash["bias"], precision="bf16", **cfg)
+        got = fused_experts(x, flash["wg"], flash["wu"], flash["wd"], rw, re, LIMIT)
+        fused = fused_experts(x, flash["wg"], flash["wu"], flash["wd"], rw, re, LIMIT,
+                              shared=(flash["sg"], flash["su"], flash["sd"]), shared_limit=SHARED_LIMIT)
+        agree = float(np.mean([len(set(a) & set(b)) / len(a) for a, b in zip(np.asarray(be_), np.asarray(re))]))
+        ok = bool((ge == re).all()) and rel(got, ew) < 1e-2 and rel(fused, ew + sh) < 1e-2
+        say(f"bf16 Flash T={t}: f32 router ids equal {bool((ge == re).all())} (weights {rel(gw, rw):.1e}), bf16 "
+            f"router id-set agreement {agree:.3f}, experts {rel(got, ew):.1e}, +shared fused {rel(fused, ew + sh):.1e} "
+            f"{'PASS' if ok else 'FAIL'}")
+        fails += [] if ok else [f"flash T={t}"]
+    for name, ex in [("random", jax.random.randint(jax.random.key(7), (8, 8), 0, e, jnp.int32)),
+                     ("one expert", jnp.full((8, 8), 5, jnp.int32)), ("NP=1", jnp.array([[3]], jnp.int32))]:
+        got = moe_align(ex, block_m=16)
+        want = align_reference(ex, 16, got[1].shape[0])
+        ok = all(bool((a == b).all()) for a, b in zip(got, want))
+        say(f"align {name}: {'PASS' if ok else 'FAIL'}")
+        fails += [] if ok else [f"align {name}"]
+
+    # (2) bandwidth
+    rates = {}
+    for dt in (BF16, F32):
+        big = jnp.ones(((2**20 if smoke else 2**32) // jnp.dtype(dt).itemsize,), dt)
+        rates[jnp.dtype(dt).name] = 2 * big.nbytes / timed(jax.jit(lambda a: a * 1.5), big, reps=reps * 2)
+        del big
+    bw = max(rates.values())
+    say(f"\ncopy bandwidth (read+write of a {'tiny' if smoke else '4 GiB'} array, x*1.5): " +
+        ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in rates.items()) + f"; floors use the larger, {bw / 1e12:.2f} TB/s")
+    layers = [make_layer(jax.random.key(10 + l), d, i, e) for l in range(n_layers)]
+    expert_b, router_b = 3 * i * d * 2, e * d * 2
+
+    # (4) whole layers
+    say("\n## whole MoE layer (router + routed + shared), per layer, cold weights over %d layers" % n_layers)
+    say("| T | distinct experts | floor µs | XLA gather µs (x floor) | Pallas, model path µs (x floor) | "
+        "Pallas, bf16 router + fused shared µs (x floor) | speed-up vs XLA |")
+    say("|---|---|---|---|---|---|---|")
+    for t in ts:
+        xs = [jax.random.normal(jax.random.key(400 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
+        dist = np.mean([len(np.unique(np.asarray(moe_ops.route(x, p["router"], p["bias"], **cfg)[1])))
+                        for x, p in zip(xs, layers)])
+        floor = ((dist + 1) * expert_b + router_b) / bw
+        res = []
+        for fn in (lambda x, p: xla_layer(x, p, cfg),
+                   lambda x, p: pallas_layer(x, p, cfg, tiles=None),
+                   lambda x, p: pallas_layer(x, p, cfg, precision="bf16", fuse_shared=True, tiles=None)):
+            res.append(timed(loop_over_layers(fn, n_iter), layers, xs, reps=reps) / (n_iter * n_layers))
+        say(f"| {t} | {dist:.1f} | {floor * 1e6:.1f} | {res[0] * 1e6:.1f} ({res[0] / floor:.2f}x) | "
+            f"{res[1] * 1e6:.1f} ({res[1] / floor:.2f}x) | {res[2] * 1e6:.1f} ({res[2] / floor:.2f}x) | "
+            f"{res[0] / res[2]:.2f}x |")
+
+    # (3) tile sweep, experts alone (routing from the reference, shared not included)
+    say("\n## fused_experts tile sweep (routed experts only; floor = distinct × 11.80 MB); the table above used the defaults bn_up=32, bk_up=256, bn_down=64, stages=3")
+    sweep = [dict(bn_up=16, bk_up=256, bn_down=64, stages=3), dict(bn_up=32, bk_up=256, bn_down=64, stages=3),
+             dict(bn_up=64, bk_up=128, bn_down=64, stages=3)]  # bk_up=512 at 4 stages overflowed shared memory
+    best = {}
+    for t in ts[:2]:
+        xs = [jax.random.normal(jax.random.key(300 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
+        routes = [moe_ops.route(x, p["router"], p["bias"], **cfg) for x, p in zip(xs, layers)]
+        dist = np.mean([len(np.unique(np.asarray(r[1]))) for r in routes])
+        floor = dist * expert_b / bw
+        for tiles in sweep:
+            fn = loop_over_layers(lambda x, pr, tiles=tiles: fused_experts(
+                x, pr[0]["wg"], pr[0]["wu"], pr[0]["wd"], pr[1][0], pr[1][1], LIMIT, **tiles).astype(x.dtype),
+                n_iter)
+            try:
+                sec = timed(fn, list(zip(layers, routes)), xs, reps=reps) / (n_iter * n_layers)
+            except jax.errors.JaxRuntimeError as err:  # e.g. a tile that overflows shared memory
+                say(f"T={t} {tiles}: failed: {str(err).splitlines()[0][:120]}")
+                continue
+            say(f"T={t} {tiles}: {sec * 1e6:.1f} us, {floor / sec * 100:.0f}% of floor {floor * 1e6:.1f} us")
+            if t not in best or sec < best[t][0]:
+                best[t] = (sec, tiles)
+
+    # (5) align and router alone
+    say("\n## align and router alone (per call, in-graph; floor: router weight 2.62 MB bf16)")
+    for t in ts[:2]:
+        ex = jax.random.randint(jax.random.key(500 + t), (t, 8), 0, e, jnp.int32)
+        fn = jax.jit(lambda ex: jax.lax.fori_loop(0, 100 * n_iter, lambda _, z: jnp.where(moe_align(
+            ex + z, block_m=16)[1][0] < -5, 1, 0), jnp.int32(0)))  # z stays 0, unknown to XLA
+        sec = timed(fn, ex, reps=reps) / (100 * n_iter)
+        xs = [jax.random.normal(jax.random.key(600 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
+        rt = {}
+        for name, rfn in [("xla", lambda x, p: moe_ops.route(x, p["router"], p["bias"], **cfg)),
+                          ("pallas f32", lambda x, p: route(x, p["router"], p["bias"], **cfg)),
+                          ("pallas bf16", lambda x, p: route(x, p["router"], p["bias"], precision="bf16", **cfg))]:
+            lf = lambda x, p, rfn=rfn: (x.astype(F32) + rfn(x, p)[0].sum() * 1e-30).astype(x.dtype)
+            rt[name] = timed(loop_over_layers(lf, n_iter), layers, xs, reps=reps) / (n_iter * n_layers)
+        say(f"T={t}: align {sec * 1e6:.2f} us (+ a scalar add); router " +
+            ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in rt.items()) + f" (floor {router_b / bw * 1e6:.2f} us)")
+
+    glue = loop_over_layers(lambda x, p: x, n_iter)
+    say(f"\nloop glue alone (the 1e-30 input update per layer): {timed(glue, layers, xs, reps=reps) / (n_iter * n_layers) * 1e6:.1f} us")
+    say(f"\ncorrectness failures: {fails or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
