@@ -331,7 +331,17 @@ _TINY = {
     "pad_token_id": 510,
 }
 
-PRESETS = {"flash": _FLASH, "tiny": _TINY}
+# Flash's widths (hidden, heads, 512 experts, vocab) at reduced depth: one group of 5 KDA + 1 MLA,
+# one dense layer; ~19 B parameters with MTP. For GPU benchmarks of per-layer cost and the step.
+_MID = {
+    **_FLASH,
+    "num_hidden_layers": 6,
+    "first_k_dense_replace": 1,
+    "expert_swiglu_limit_list": [0.0] * 5 + [4.0],
+    "share_expert_swiglu_limit_list": [0.0] * 5 + [7.0],
+}
+
+PRESETS = {"flash": _FLASH, "mid": _MID, "tiny": _TINY}
 
 
 def preset(name: str) -> LingConfig:

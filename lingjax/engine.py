@@ -50,9 +50,18 @@ class GenerationResult:
         return statistics.fmean(self.accept_lens) if self.accept_lens else float("nan")
 
 
+def start_host_copy(x: jax.Array) -> None:
+    """Start the asynchronous device-to-host copy of a step's output right after its dispatch."""
+    with jax.transfer_guard_device_to_host("allow"):
+        x.copy_to_host_async()
+
+
 def host_read(x: jax.Array) -> np.ndarray:
-    """The one place the generation loop reads a device value (tests watch it)."""
-    return np.asarray(x)
+    """The one place the generation loop reads a device value (tests watch it). It is allowed under
+    jax.transfer_guard_device_to_host("disallow"), so a run under that guard proves the loop makes
+    no other device-to-host transfer (on GPU; the CPU backend's guard sees no such transfers)."""
+    with jax.transfer_guard_device_to_host("allow"):
+        return np.asarray(x)
 
 
 def _pow2(n: int) -> int:
@@ -89,15 +98,13 @@ def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key) -> It
     for start, chunk, n_valid, _ in _prompt_chunks(prompt):
         token, _, cache = model._prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start),
                                          jnp.int32(n_valid), jax.random.fold_in(base_key, 0), sampling=sampling)
-    token.copy_to_host_async()
-    pos, produced = prompt.size, 0
+    start_host_copy(token)
+    pos, produced = jnp.int32(prompt.size), 0
     while True:
         pending = token
         if produced + 1 < max_new_tokens:  # run ahead: launch the next step before reading this one
-            token, cache = model._decode(model.params, cache, pending, jnp.int32(pos),
-                                         jax.random.fold_in(base_key, produced + 1), sampling=sampling)
-            token.copy_to_host_async()
-            pos += 1
+            token, pos, cache = model._decode(model.params, cache, pending, pos, base_key, sampling=sampling)
+            start_host_copy(token)
         yield [int(host_read(pending))]
         produced += 1
 
@@ -117,12 +124,12 @@ def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafte
     state = SpecState(cache=cache, draft=draft, s=jnp.int32(prompt.size), bonus=jnp.copy(bonus),
                       round=jnp.int32(0), key=base_key)
     pending, produced = bonus, 0
-    pending.copy_to_host_async()
+    start_host_copy(pending)
     first = True
     while True:
         if produced + 1 < max_new_tokens:  # run ahead (a round yields at least one token)
             state, out = program.round(model.params, state)
-            out.copy_to_host_async()
+            start_host_copy(out)
         else:
             out = None
         value = host_read(pending)

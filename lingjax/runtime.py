@@ -23,6 +23,19 @@ from lingjax.sampling import SamplingParams, sample
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
+def step_jit(fun, **kwargs):
+    """jax.jit for a hot step program. On GPU the whole step goes into XLA command buffers (CUDA
+    graphs), loops and conditionals included: measured on the H200 (bench/results/
+    spec_overlap_h200_2026-11-29.md) this cut the host's dispatch of a speculative round from 3.2-4.3
+    ms to 2.0 ms, below the device's time, so the run-ahead loop hides it. Elsewhere plain jax.jit."""
+    if jax.default_backend() == "gpu":
+        kwargs["compiler_options"] = {
+            "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL",
+            "xla_gpu_graph_min_graph_size": 1,
+        }
+    return jax.jit(fun, **kwargs)
+
+
 class Model:
     """A loaded Ling model. `module` is the Flax NNX LingModel (for notebooks); the methods here are
     the jitted entry points the engine uses."""
@@ -43,8 +56,8 @@ class Model:
         self._extend, self._lm_logits = extend, lm_logits
         self._full_logits = jax.jit(self._full_logits_impl)
         self._extend_logits = jax.jit(self._extend_logits_impl, donate_argnames=("cache",))
-        self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",), donate_argnames=("cache",))
-        self._decode = jax.jit(self._decode_impl, static_argnames=("sampling",), donate_argnames=("cache",))
+        self._prefill = step_jit(self._prefill_impl, static_argnames=("sampling",), donate_argnames=("cache",))
+        self._decode = step_jit(self._decode_impl, static_argnames=("sampling",), donate_argnames=("cache",))
         self._spec_programs = {}
 
     @property
@@ -88,10 +101,11 @@ class Model:
         return sample(logits, key, sampling), logits, cache
 
     def _decode_impl(self, params, cache, token, pos, key, sampling: SamplingParams):
-        """One token at position pos -> (next token, cache). token and pos are device scalars."""
+        """One token at position pos -> (next token, pos + 1, cache). Everything the next step needs
+        comes back as device values; the sampling key is folded with the position on device."""
         hidden, cache = self._extend(params, cache, token[None], pos, 1)
         logits = self._lm_logits(params, hidden[0])
-        return sample(logits, key, sampling), cache
+        return sample(logits, jax.random.fold_in(key, pos), sampling), pos + 1, cache
 
     # ---- public -----------------------------------------------------------------------------
     def logits(self, token_ids) -> np.ndarray:

@@ -101,9 +101,15 @@ def test_bad_requests(kwargs, error):
         lingjax.generate(_tiny(), **kwargs)
 
 
-def test_pallas_kernels_not_yet():
-    with pytest.raises(NotImplementedError):
-        lingjax.load("tiny", kernels="pallas")
+def test_pallas_kernels_give_the_same_model():
+    """kernels="pallas" (interpret mode on the CPU) against the XLA references, decode and prefill."""
+    from conftest import rel_err
+
+    xla = _tiny()
+    pallas = lingjax.Model(xla.module, kernels="pallas", source="test")
+    prompt = _prompt(40, 8)  # > SMALL_T: the chunked-prefill kernel; then decode steps
+    assert rel_err(pallas.logits(prompt), xla.logits(prompt)) < 1e-4
+    assert rel_err(pallas.incremental_logits(prompt, 36), xla.incremental_logits(prompt, 36)) < 1e-4
 
 
 def test_cli_generate_streams_tokens(capsys):

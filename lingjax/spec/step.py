@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lingjax import cache as cache_lib
+from lingjax.runtime import step_jit
 from lingjax.sampling import SamplingParams, sample
 from lingjax.spec.accept import accept
 
@@ -34,9 +35,9 @@ class SpecProgram:
 
     def __init__(self, model, drafter, sampling: SamplingParams):
         self.model, self.drafter, self.sampling = model, drafter, sampling
-        self.prefill_chunk = jax.jit(self._prefill_chunk, static_argnames=("last",),
-                                     donate_argnames=("cache", "draft"))
-        self.round = jax.jit(self._round, donate_argnames=("state",))
+        self.prefill_chunk = step_jit(self._prefill_chunk, static_argnames=("last",),
+                                      donate_argnames=("cache", "draft"))
+        self.round = step_jit(self._round, donate_argnames=("state",))
 
     def _module(self, params):
         return nnx.merge(self.model.graphdef, params)

@@ -1,0 +1,160 @@
+"""Does the host keep ahead of the device? Speculative rounds and plain decode steps, timed three ways.
+
+    python bench/spec_overlap.py --model mid --steps 3 --new-tokens 128 --out bench/results/x.md
+
+- device time per step: N steps dispatched back to back, one block at the end (no host reads);
+- dispatch time per step: how long the host's call takes to return (the host's own work);
+- loop time per step: lingjax.generate's run-ahead loop, (last token - first token) / steps;
+- blocking loop time per step: the same steps with a read right after each dispatch.
+If the run-ahead loop's time per step matches the device time while the blocking loop pays
+device + host, the host's loop is hidden under the device. The whole generate call also runs under
+jax.transfer_guard_device_to_host("disallow") (engine.host_read is the only allowed read), with a
+negative control showing the guard fires on this backend. Weights are random (`--model` preset):
+the MTP layer drafts badly, so accept lengths are ~1; this measures the loop, not acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lingjax
+from lingjax import engine
+from lingjax.sampling import SamplingParams
+from lingjax.spec.step import SpecState
+
+
+def _spec_state(model, program, drafter, prompt, max_new):
+    """Prefill through the program, returning the state the first round takes."""
+    capacity = engine.cache_capacity(prompt.size, max_new, drafter.steps + 1)
+    cache, draft = model.new_cache(capacity), drafter.init(model.module, capacity)
+    key = jax.random.key(0)
+    for start, chunk, n_valid, last in engine._prompt_chunks(prompt):
+        after = 0 if last else int(prompt[start + n_valid])
+        bonus, cache, draft = program.prefill_chunk(model.params, cache, draft, jnp.asarray(chunk), jnp.int32(start),
+                                                    jnp.int32(n_valid), jnp.int32(after), key, last=last)
+    return SpecState(cache=cache, draft=draft, s=jnp.int32(prompt.size), bonus=jnp.copy(bonus),
+                     round=jnp.int32(0), key=key)
+
+
+def time_rounds(model, program, drafter, prompt, rounds):
+    """(device s/round, dispatch s/round, blocking-loop s/round) over `rounds` rounds, medians of 3."""
+    device, dispatch, blocking = [], [], []
+    for _ in range(3):
+        state = _spec_state(model, program, drafter, prompt, rounds * (drafter.steps + 1))
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        calls = []
+        for _ in range(rounds):
+            c0 = time.perf_counter()
+            state, out = program.round(model.params, state)
+            calls.append(time.perf_counter() - c0)
+        jax.block_until_ready(out)
+        device.append((time.perf_counter() - t0) / rounds)
+        dispatch.append(statistics.median(calls))
+        state = _spec_state(model, program, drafter, prompt, rounds * (drafter.steps + 1))
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            state, out = program.round(model.params, state)
+            engine.host_read(out)  # wait for this round before launching the next
+        blocking.append((time.perf_counter() - t0) / rounds)
+    return statistics.median(device), statistics.median(dispatch), statistics.median(blocking)
+
+
+def time_decode(model, prompt, steps):
+    sampling = SamplingParams()
+    cache = model.new_cache(engine.cache_capacity(prompt.size, steps))
+    key = jax.random.key(0)
+    for start, chunk, n_valid, _ in engine._prompt_chunks(prompt):
+        token, _, cache = model._prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start),
+                                         jnp.int32(n_valid), key, sampling=sampling)
+    jax.block_until_ready(token)
+    t0 = time.perf_counter()
+    calls = []
+    pos = jnp.int32(prompt.size)
+    for _ in range(steps):
+        c0 = time.perf_counter()
+        token, pos, cache = model._decode(model.params, cache, token, pos, key, sampling=sampling)
+        calls.append(time.perf_counter() - c0)
+    jax.block_until_ready(token)
+    return (time.perf_counter() - t0) / steps, statistics.median(calls)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="mid")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--out", default=None, help="write the markdown report here too")
+    args = ap.parse_args()
+
+    lines = []
+
+    def say(text=""):
+        print(text, flush=True)
+        lines.append(text)
+
+    t = time.perf_counter()
+    model = lingjax.load(args.model, dtype=args.dtype)
+    jax.block_until_ready(model.params)
+    say(f"# spec_overlap: {args.model} ({model.num_params() / 1e9:.2f} B params, {args.dtype}), steps {args.steps}")
+    say(f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+        f"jax {jax.__version__}; load {time.perf_counter() - t:.1f} s")
+    prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, args.prompt_len).astype(np.int32)
+    n = args.new_tokens
+
+    # compile everything once
+    t = time.perf_counter()
+    plain = lingjax.generate(model, prompt, n, ignore_eos=True)
+    spec = lingjax.generate(model, prompt, n, ignore_eos=True, spec="nextn", steps=args.steps)
+    say(f"compile + first runs {time.perf_counter() - t:.1f} s")
+
+    # the run-ahead loops, under the transfer guard
+    with jax.transfer_guard_device_to_host("disallow"):
+        plain = lingjax.generate(model, prompt, n, ignore_eos=True)
+        spec = lingjax.generate(model, prompt, n, ignore_eos=True, spec="nextn", steps=args.steps)
+    guard_fires = False
+    with jax.transfer_guard_device_to_host("disallow"):
+        try:
+            int(jnp.int32(3) + 1)
+        except Exception:
+            guard_fires = True
+    say(f"generate ran under transfer_guard_device_to_host('disallow'); negative control (int() of a device "
+        f"array under the guard) {'raised' if guard_fires else 'did NOT raise: the guard is blind on this backend'}")
+
+    drafter = engine._make_drafter(model, "nextn", args.steps)
+    program = model.spec_program(drafter, SamplingParams())
+    rounds = len(spec.accept_lens)
+    dev_r, disp_r, block_r = time_rounds(model, program, drafter, prompt, rounds)
+    loop_r = (spec.token_times_s[-1] - spec.ttft_s) / max(rounds - 1, 1)
+    dev_d, disp_d = time_decode(model, prompt, n - 1)
+    loop_d = (plain.token_times_s[-1] - plain.ttft_s) / (len(plain.tokens) - 1)
+    # a blocking plain loop: read each token before the next dispatch
+    say()
+    say("| step | device µs/step | host dispatch µs/step | run-ahead loop µs/step | loop / device | blocking loop µs/step |")
+    say("|---|---|---|---|---|---|")
+    say(f"| speculative round (S={args.steps}) | {dev_r * 1e6:.0f} | {disp_r * 1e6:.0f} | {loop_r * 1e6:.0f} | "
+        f"{loop_r / dev_r:.2f} | {block_r * 1e6:.0f} |")
+    say(f"| plain decode (T=1) | {dev_d * 1e6:.0f} | {disp_d * 1e6:.0f} | {loop_d * 1e6:.0f} | {loop_d / dev_d:.2f} | - |")
+    say()
+    say(f"rounds {rounds}, mean accept length {spec.mean_accept_len:.2f} (random MTP weights); "
+        f"TTFT spec {spec.ttft_s * 1e3:.1f} ms, plain {plain.ttft_s * 1e3:.1f} ms")
+    same = spec.tokens == plain.tokens
+    first_diff = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b), None)
+    say(f"greedy speculative == plain ({args.dtype}): {same}" + ("" if same else f" (first difference at token {first_diff})"))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
