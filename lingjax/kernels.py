@@ -3,7 +3,9 @@
 same model runs everywhere). Which op a layer needs (chain or chunked KDA, gathered or sorted MoE)
 is chosen by shape in lingjax.model.paths_for; this module only picks the implementation.
 
-Each Pallas entry point has exactly the signature and result of the reference it replaces.
+Each Pallas entry point takes the reference's arguments and returns its result; it may add
+keyword-only options with defaults (tile sizes, interpret, or extra fused work such as the shared
+expert in `fused_experts`).
 """
 
 from __future__ import annotations

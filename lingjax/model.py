@@ -183,11 +183,19 @@ class MoE(nnx.Module):
                 topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor, renormalize=cfg.norm_topk_prob,
             )
         with jax.named_scope("moe_experts"):
-            run = paths.op("moe_experts") if paths.moe_gathered else moe_ops.experts_sorted
-            y = run(x, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
-        if self.shared is not None:
+            args = (x, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
+            shared = self.shared
+            if paths.moe_gathered and paths.kernels == "pallas" and shared is not None \
+                    and shared.gate_proj.shape == self.w_gate.shape[1:]:
+                # the Pallas kernels run the shared expert as extra blocks of the same launches
+                y = paths.op("moe_experts")(*args, shared=(shared.gate_proj[...], shared.up_proj[...],
+                                                           shared.down_proj[...]), shared_limit=shared.limit)
+                shared = None
+            else:
+                y = (paths.op("moe_experts") if paths.moe_gathered else moe_ops.experts_sorted)(*args)
+        if shared is not None:
             with jax.named_scope("moe_shared"):
-                y = y + self.shared(x)
+                y = y + shared(x)
         return y.astype(x.dtype)  # one rounding of routed + shared
 
 
