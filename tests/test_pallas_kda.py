@@ -47,7 +47,7 @@ def test_chain_verify_every_t(t):
         _check_chain(t, 3, 16, jnp.float32, seed)
 
 
-@pytest.mark.parametrize("t", [1, 5, 16])
+@pytest.mark.parametrize("t", [2, 16])
 def test_chain_verify_bf16_inputs(t):
     for seed in range(2):
         _check_chain(t, 3, 16, jnp.bfloat16, seed)
@@ -133,14 +133,16 @@ def test_chunked_prefill_bf16_inputs():
 
 
 def test_model_logits_with_pallas_kda(hf_fixture, monkeypatch):
-    """The HF fixtures' f32 logits with the Pallas KDA kernels (MoE ops kept on their references)."""
+    """The HF fixtures' f32 logits with the Pallas KDA kernels; MoE ops whose Pallas kernels are not
+    written yet run their references (prompts of <= 16 tokens take chain-verify, longer ones prefill)."""
     import lingjax
     from lingjax import kernels
 
     ops = dict(kernels.OPS)
-    for name, (ref, _) in ops.items():
-        if not name.startswith("kda_"):
-            ops[name] = (ref, f"{ref.__module__}:{ref.__name__}")
+    for name in kernels.missing_pallas_ops():
+        assert not name.startswith("kda_"), name
+        ref = ops[name][0]
+        ops[name] = (ref, f"{ref.__module__}:{ref.__name__}")
     monkeypatch.setattr(kernels, "OPS", ops)
     assert kernels.missing_pallas_ops() == []
     ref = np.load(hf_fixture / "reference.npz")
