@@ -70,18 +70,18 @@ def time_rounds(model, program, drafter, prompt, rounds):
 
 def time_decode(model, prompt, steps):
     sampling = SamplingParams()
+    prefill, decode = model.step_programs(sampling)
     cache = model.new_cache(engine.cache_capacity(prompt.size, steps))
     key = jax.random.key(0)
     for start, chunk, n_valid, _ in engine._prompt_chunks(prompt):
-        token, _, cache = model._prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start),
-                                         jnp.int32(n_valid), key, sampling=sampling)
+        token, cache = prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid), key)
     jax.block_until_ready(token)
     t0 = time.perf_counter()
     calls = []
     pos = jnp.int32(prompt.size)
     for _ in range(steps):
         c0 = time.perf_counter()
-        token, pos, cache = model._decode(model.params, cache, token, pos, key, sampling=sampling)
+        token, pos, cache = decode(model.params, cache, token, pos, key)
         calls.append(time.perf_counter() - c0)
     jax.block_until_ready(token)
     return (time.perf_counter() - t0) / steps, statistics.median(calls)

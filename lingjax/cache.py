@@ -22,7 +22,7 @@ from lingjax.config import KDA, LingConfig
 @dataclasses.dataclass
 class KDACache:
     state: jax.Array  # [H, K, V] f32
-    conv: jax.Array  # [W-1, 3·H·d] activation dtype
+    conv: jax.Array  # [W-1, 3, H·d] activation dtype: q, k, v channel blocks (split by heads under TP)
 
 
 @jax.tree_util.register_dataclass
@@ -35,7 +35,7 @@ class MLACache:
 @dataclasses.dataclass
 class KDAStaged:
     states: jax.Array  # [T, H, K, V] f32: the state after each verified row
-    windows: jax.Array  # [T, W-1, 3·H·d]: the conv window after each verified row
+    windows: jax.Array  # [T, W-1, 3, H·d]: the conv window after each verified row
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +54,7 @@ def init_cache(cfg: LingConfig, capacity: int, dtype) -> ModelCache:
     def kda():
         return KDACache(
             state=jnp.zeros((cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
-            conv=jnp.zeros((cfg.conv_size - 1, 3 * cfg.kda_dim), dtype),
+            conv=jnp.zeros((cfg.conv_size - 1, 3, cfg.kda_dim), dtype),
         )
 
     return ModelCache(layers=tuple(kda() if t == KDA else init_mla_cache(cfg, capacity, dtype)

@@ -33,7 +33,7 @@ def cmd_generate(args) -> int:
     import lingjax
 
     model = lingjax.load(args.model or args.checkpoint, dtype=args.dtype, kernels=args.kernels, seed=args.seed,
-                         progress=_progress("loading parameters"))
+                         progress=_progress("loading parameters"), tp=args.tp)
 
     def show(token: int) -> None:
         print(token, end=" ", flush=True)
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--steps", type=int, default=5, help="drafts per speculative round (verify width steps+1)")
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     g.add_argument("--kernels", choices=["xla", "pallas"], default="xla")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
     g.set_defaults(run=cmd_generate)
 
     c = sub.add_parser("convert", help="official safetensors checkpoint -> lingjax (orbax) checkpoint")

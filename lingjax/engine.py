@@ -94,16 +94,17 @@ def _prompt_chunks(prompt: np.ndarray) -> Iterator[tuple[int, np.ndarray, int, b
 
 def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key) -> Iterator[list[int]]:
     """Yields each new token (as a one-element list), reading one step behind the device."""
+    prefill, decode = model.step_programs(sampling)
     cache = model.new_cache(cache_capacity(prompt.size, max_new_tokens))
     for start, chunk, n_valid, _ in _prompt_chunks(prompt):
-        token, _, cache = model._prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start),
-                                         jnp.int32(n_valid), jax.random.fold_in(base_key, 0), sampling=sampling)
+        token, cache = prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid),
+                               jax.random.fold_in(base_key, 0))
     start_host_copy(token)
     pos, produced = jnp.int32(prompt.size), 0
     while True:
         pending = token
         if produced + 1 < max_new_tokens:  # run ahead: launch the next step before reading this one
-            token, pos, cache = model._decode(model.params, cache, pending, pos, base_key, sampling=sampling)
+            token, pos, cache = decode(model.params, cache, pending, pos, base_key)
             start_host_copy(token)
         yield [int(host_read(pending))]
         produced += 1

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lingjax import kernels
 from lingjax.cache import KDACache, KDAStaged, MLACache, ModelCache
 from lingjax.config import KDA, MOE, LingConfig
+from lingjax.execution import Exec
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
@@ -42,20 +42,27 @@ class Paths:
     kda_chunked: bool  # chunked KDA form (prefill) instead of the recurrence
     mla_absorbed: bool  # absorbed MLA (reads the latent cache directly)
     moe_gathered: bool  # gather the chosen experts per token instead of sorting pairs
-    kernels: str = "xla"  # implementation set, see lingjax.kernels
+    ex: Exec = Exec()  # kernel set and tensor-parallel axis
 
     def op(self, name: str):
-        return kernels.get(name, self.kernels)
+        return self.ex.op(name)
 
 
-def paths_for(num_tokens: int, kernel_set: str = "xla") -> Paths:
+def paths_for(num_tokens: int, ex: Exec = Exec()) -> Paths:
     small = num_tokens <= SMALL_T
-    return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small, kernels=kernel_set)
+    return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small, ex=ex)
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x: [..., in]; w: [out, in] -> [..., out] in x's dtype, f32 accumulation."""
+    """x: [..., in]; w: [out, in] -> [..., out] in x's dtype, f32 accumulation. Under TP a
+    column-parallel weight gives this device's slice of the outputs."""
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32).astype(x.dtype)
+
+
+def row_linear(x: jax.Array, w: jax.Array, ex: Exec) -> jax.Array:
+    """Row-parallel projection: under TP w holds this device's slice of the inputs, so the f32
+    partial sums are all-reduced (the sub-layer's one all-reduce) before the single rounding."""
+    return ex.psum(jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32)).astype(x.dtype)
 
 
 class _Init:
@@ -94,28 +101,30 @@ class KDAAttention(nnx.Module):
         """Returns (y, new cache); with stage=True (verify) returns (y, KDAStaged) and the committed
         cache is left for `lingjax.cache.commit`."""
         t = x.shape[0]
-        h, dk = cfg.kda_num_heads, cfg.kda_head_dim
+        h, dk = self.b_proj.shape[0], cfg.kda_head_dim  # heads on this device (all of them without TP)
         with jax.named_scope("kda_proj"):
             qkv = jnp.concatenate([linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)], -1)
         with jax.named_scope("kda_gate"):
             f, b = linear(x, self.f_proj), linear(x, self.b_proj)
         conv_w = jnp.concatenate([self.q_conv[...], self.k_conv[...], self.v_conv[...]], 0)
-        args = (qkv, f, b, cache.conv, conv_w, self.a_log[...], self.dt_bias[...])
+        window = cache.conv.reshape(cache.conv.shape[0], -1)  # [W-1, 3, P] -> [W-1, 3P], q|k|v blocks
+        args = (qkv, f, b, window, conv_w, self.a_log[...], self.dt_bias[...])
         gate_cfg = dict(num_heads=h, safe_gate=cfg.kda_safe_gate, lower_bound=cfg.kda_lower_bound)
         with jax.named_scope("kda_recurrence"):
             if paths.kda_chunked:
                 q, k, v, g, beta, conv = kda_ops.kda_prepare(*args, n_valid, **gate_cfg)
+                conv = conv.reshape(cache.conv.shape)
                 o, state = paths.op("kda_chunked")(q, k, v, g, beta, cache.state)
             else:  # every row is valid on this path (prefill pads only to chunked sizes)
                 o, staged = paths.op("kda_chain")(*args, cache.state, **gate_cfg)
-                windows = kda_ops.conv_windows(cache.conv, qkv)
+                windows = kda_ops.conv_windows(window, qkv).reshape((t,) + cache.conv.shape)
                 state, conv = staged[-1], windows[-1]
         if stage and paths.kda_chunked:
             raise ValueError(f"staged (verify) forwards take at most {SMALL_T} tokens, got {t}")
         with jax.named_scope("kda_out"):
             gate = linear(x, self.g_proj).reshape(t, h, dk)
             y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)
-            y = linear(y.reshape(t, h * dk), self.o_proj)
+            y = row_linear(y.reshape(t, h * dk), self.o_proj, paths.ex)
         if stage:
             return y, KDAStaged(states=staged, windows=windows)
         return y, KDACache(state=state, conv=conv)
@@ -133,7 +142,8 @@ class MLAAttention(nnx.Module):
 
     def __call__(self, cfg: LingConfig, x, cache: MLACache, positions, paths: Paths):
         t = x.shape[0]
-        h, n, r, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        h = self.g_proj.shape[0]  # heads on this device
+        n, r, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         with jax.named_scope("mla_proj"):
             q = linear(x, self.q_proj).reshape(t, h, n + r)
             q_nope, q_pe = q[..., :n], rope_interleaved(q[..., n:], positions, cfg.rope_theta)
@@ -150,7 +160,7 @@ class MLAAttention(nnx.Module):
         with jax.named_scope("mla_out"):
             gate = jax.nn.sigmoid(linear(x, self.g_proj).astype(F32))  # [T, H]
             o = (o * gate[..., None]).astype(x.dtype).reshape(t, h * cfg.v_head_dim)
-            y = linear(o, self.o_proj)
+            y = row_linear(o, self.o_proj, paths.ex)
         return y, MLACache(latent=latent)
 
 
@@ -160,7 +170,7 @@ class DenseMLP(nnx.Module):
         self.gate_proj, self.up_proj, self.down_proj = init.matrix(width, d), init.matrix(width, d), init.matrix(d, width)
         self.limit = limit
 
-    def __call__(self, x):  # -> f32
+    def __call__(self, x):  # -> f32 (under TP: this device's partial sum, see the callers' psum)
         return moe_ops.mlp(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.limit)
 
 
@@ -185,7 +195,7 @@ class MoE(nnx.Module):
         with jax.named_scope("moe_experts"):
             args = (x, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
             shared = self.shared
-            if paths.moe_gathered and paths.kernels == "pallas" and shared is not None \
+            if paths.moe_gathered and paths.ex.kernels == "pallas" and shared is not None \
                     and shared.gate_proj.shape == self.w_gate.shape[1:]:
                 # the Pallas kernels run the shared expert as extra blocks of the same launches
                 y = paths.op("moe_experts")(*args, shared=(shared.gate_proj[...], shared.up_proj[...],
@@ -196,7 +206,7 @@ class MoE(nnx.Module):
         if shared is not None:
             with jax.named_scope("moe_shared"):
                 y = y + shared(x)
-        return y.astype(x.dtype)  # one rounding of routed + shared
+        return paths.ex.psum(y).astype(x.dtype)  # one all-reduce, one rounding of routed + shared
 
 
 class DecoderLayer(nnx.Module):
@@ -216,7 +226,7 @@ class DecoderLayer(nnx.Module):
             a, cache = self.attn(cfg, a, cache, positions, paths)
         h = x + a
         m = rms_norm(h, self.post_norm[...], cfg.rms_norm_eps)
-        m = self.mlp(cfg, m, paths) if isinstance(self.mlp, MoE) else self.mlp(m).astype(x.dtype)
+        m = self.mlp(cfg, m, paths) if isinstance(self.mlp, MoE) else paths.ex.psum(self.mlp(m)).astype(x.dtype)
         return h + m, cache
 
 
@@ -262,23 +272,23 @@ class LingModel(nnx.Module):
     def embed_tokens(self, tokens):
         return self.embed[...][tokens]
 
-    def forward(self, tokens, cache: ModelCache, start, n_valid, kernel_set: str = "xla"):
+    def forward(self, tokens, cache: ModelCache, start, n_valid, ex: Exec = Exec()):
         """tokens: [T] int32 at positions start..start+T-1, of which the first n_valid are real
         (n_valid < T only on the chunked path, T > SMALL_T). Returns (hidden [T, D] after the final
         norm, updated cache)."""
-        x, layers, _ = self._layers(tokens, cache, start, n_valid, kernel_set, stage=False)
+        x, layers, _ = self._layers(tokens, cache, start, n_valid, ex, stage=False)
         return x, ModelCache(layers=layers)
 
-    def verify(self, tokens, cache: ModelCache, start, kernel_set: str = "xla"):
+    def verify(self, tokens, cache: ModelCache, start, ex: Exec = Exec()):
         """Speculative verify over T <= SMALL_T tokens: MLA caches are written at start..start+T-1,
         KDA caches are left as they are. Returns (hidden [T, D], cache, staging: per layer KDAStaged
         or None) for `lingjax.cache.commit`."""
-        x, layers, staging = self._layers(tokens, cache, start, tokens.shape[0], kernel_set, stage=True)
+        x, layers, staging = self._layers(tokens, cache, start, tokens.shape[0], ex, stage=True)
         return x, ModelCache(layers=layers), staging
 
-    def _layers(self, tokens, cache, start, n_valid, kernel_set, stage):
+    def _layers(self, tokens, cache, start, n_valid, ex, stage):
         cfg = self.cfg
-        paths = paths_for(tokens.shape[0], kernel_set)
+        paths = paths_for(tokens.shape[0], ex)
         positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
         x = self.embed_tokens(tokens)
         layers, staging = [], []
@@ -291,11 +301,12 @@ class LingModel(nnx.Module):
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), tuple(layers), tuple(staging)
 
     def lm_logits(self, hidden):
-        """hidden: [..., D] -> f32 logits [..., V]."""
+        """hidden: [..., D] -> f32 logits [..., V] (under TP: this device's vocabulary shard; see
+        Exec.argmax_vocab / gather_vocab)."""
         with jax.named_scope("lm_head"):
             return jnp.einsum("...d,vd->...v", hidden, self.lm_head[...], preferred_element_type=F32)
 
-    def mtp_forward(self, tokens, hidden, cache: MLACache, start, n_valid, kernel_set: str = "xla"):
+    def mtp_forward(self, tokens, hidden, cache: MLACache, start, n_valid, ex: Exec = Exec()):
         """MTP rows at positions start..start+T-1 with (x_{p+1} = tokens, h_p = hidden), the first
         n_valid real. Returns (z [T, D] post final_layernorm, the MTP layer's updated latent cache)."""
         if self.mtp is None:
@@ -303,7 +314,7 @@ class LingModel(nnx.Module):
         positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
         with jax.named_scope("mtp"):
             return self.mtp(self.cfg, self.embed_tokens(tokens), hidden, cache, positions, n_valid,
-                            paths_for(tokens.shape[0], kernel_set))
+                            paths_for(tokens.shape[0], ex))
 
 
 def abstract_model(cfg: LingConfig, dtype=jnp.bfloat16, with_mtp: bool | None = None) -> LingModel:

@@ -6,16 +6,20 @@ trace, so calls pay no Python walk of the object graph. Caches are separate pytr
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from lingjax import checkpoint
+from lingjax import checkpoint, sharding
 from lingjax.cache import ModelCache, init_cache
 from lingjax.config import PRESETS, LingConfig, preset
+from lingjax.execution import Exec
 from lingjax.kernels import KERNELS, missing_pallas_ops
 from lingjax.model import LingModel, param_count
 from lingjax.sampling import SamplingParams, sample
@@ -38,27 +42,36 @@ def step_jit(fun, **kwargs):
 
 class Model:
     """A loaded Ling model. `module` is the Flax NNX LingModel (for notebooks); the methods here are
-    the jitted entry points the engine uses."""
+    the jitted entry points the engine uses. With tp > 1 the parameters are sharded over a mesh of
+    tp devices (lingjax/sharding.py) and every program body runs inside shard_map."""
 
-    def __init__(self, module: LingModel, kernels: str = "xla", source: str = ""):
+    def __init__(self, module: LingModel, kernels: str = "xla", source: str = "", tp: int = 1):
         self.module = module
         self.cfg: LingConfig = module.cfg
         self.kernels = kernels
         self.source = source
-        self.graphdef, self.params = nnx.split(module)
-
-        def extend(params, cache, tokens, start, n_valid):
-            return nnx.merge(self.graphdef, params).forward(tokens, cache, start, n_valid, kernels)
-
-        def lm_logits(params, hidden):
-            return nnx.merge(self.graphdef, params).lm_logits(hidden)
-
-        self._extend, self._lm_logits = extend, lm_logits
-        self._full_logits = jax.jit(self._full_logits_impl)
-        self._extend_logits = jax.jit(self._extend_logits_impl, donate_argnames=("cache",))
-        self._prefill = step_jit(self._prefill_impl, static_argnames=("sampling",), donate_argnames=("cache",))
-        self._decode = step_jit(self._decode_impl, static_argnames=("sampling",), donate_argnames=("cache",))
+        self.tp = tp
+        self.mesh = sharding.make_mesh(tp) if tp > 1 else None
+        self.ex = Exec(kernels, sharding.AXIS if self.mesh else None)
+        self.graphdef, params = nnx.split(module)
+        self.param_specs = sharding.param_specs(params)
+        self.cache_specs = sharding.cache_spec(jax.eval_shape(lambda: init_cache(self.cfg, 1, self.dtype)))
+        if self.mesh is not None:
+            sharding.check_tp(self.cfg, tp)
+            params = sharding.place(params, self.param_specs, self.mesh)
+        self.params = params
+        ps, cs, rep, vocab = self.param_specs, self.cache_specs, P(), P(None, sharding.AXIS)
+        self._full_logits = jax.jit(self.sharded(self._full_logits_impl, (ps, cs, rep), vocab))
+        self._extend_logits = jax.jit(self.sharded(self._extend_logits_impl, (ps, cs, rep, rep), (vocab, cs)),
+                                      donate_argnums=(1,))
+        self._step_programs = {}
         self._spec_programs = {}
+
+    def sharded(self, fun, in_specs, out_specs):
+        """fun itself without TP; under TP, fun running on each device's shards (shard_map)."""
+        if self.mesh is None:
+            return fun
+        return jax.shard_map(fun, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     @property
     def dtype(self):
@@ -72,7 +85,22 @@ class Model:
         return param_count(self.module)
 
     def new_cache(self, capacity: int) -> ModelCache:
-        return init_cache(self.cfg, capacity, self.dtype)
+        cache = init_cache(self.cfg, capacity, self.dtype)
+        return sharding.place(cache, self.cache_specs, self.mesh) if self.mesh is not None else cache
+
+    def step_programs(self, sampling: SamplingParams):
+        """(prefill, decode) jitted for this sampling (built once, then reused):
+        prefill(params, cache, tokens, start, n_valid, key) -> (token, cache);
+        decode(params, cache, token, pos, key) -> (next token, pos + 1, cache)."""
+        if sampling not in self._step_programs:
+            ps, cs, rep = self.param_specs, self.cache_specs, P()
+            prefill = self.sharded(functools.partial(self._prefill_impl, sampling=sampling),
+                                   (ps, cs, rep, rep, rep, rep), (rep, cs))
+            decode = self.sharded(functools.partial(self._decode_impl, sampling=sampling),
+                                  (ps, cs, rep, rep, rep), (rep, rep, cs))
+            self._step_programs[sampling] = (step_jit(prefill, donate_argnums=(1,)),
+                                             step_jit(decode, donate_argnums=(1,)))
+        return self._step_programs[sampling]
 
     def spec_program(self, drafter, sampling: SamplingParams):
         """The jitted speculative prefill/round for this drafter and sampling (built once, then reused)."""
@@ -83,29 +111,34 @@ class Model:
             self._spec_programs[key] = SpecProgram(self, drafter, sampling)
         return self._spec_programs[key]
 
-    # ---- jitted programs --------------------------------------------------------------------
-    def _full_logits_impl(self, params, tokens):
-        cache = init_cache(self.cfg, tokens.shape[0], self.dtype)
-        hidden, _ = self._extend(params, cache, tokens, 0, tokens.shape[0])
-        return self._lm_logits(params, hidden)
+    # ---- program bodies (each sees this device's shards under TP) ------------------------------
+    def _module(self, params) -> LingModel:
+        return nnx.merge(self.graphdef, params)
+
+    def _full_logits_impl(self, params, cache, tokens):
+        module = self._module(params)
+        hidden, _ = module.forward(tokens, cache, 0, tokens.shape[0], self.ex)
+        return module.lm_logits(hidden)
 
     def _extend_logits_impl(self, params, cache, tokens, start):
-        hidden, cache = self._extend(params, cache, tokens, start, tokens.shape[0])
-        return self._lm_logits(params, hidden), cache
+        module = self._module(params)
+        hidden, cache = module.forward(tokens, cache, start, tokens.shape[0], self.ex)
+        return module.lm_logits(hidden), cache
 
     def _prefill_impl(self, params, cache, tokens, start, n_valid, key, sampling: SamplingParams):
-        """One prompt chunk; returns (token sampled from row n_valid-1, its logits, cache)."""
-        hidden, cache = self._extend(params, cache, tokens, start, n_valid)
+        """One prompt chunk -> (token sampled from row n_valid-1, cache)."""
+        module = self._module(params)
+        hidden, cache = module.forward(tokens, cache, start, n_valid, self.ex)
         last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False)
-        logits = self._lm_logits(params, last)
-        return sample(logits, key, sampling), logits, cache
+        return sample(module.lm_logits(last), key, sampling, self.ex), cache
 
     def _decode_impl(self, params, cache, token, pos, key, sampling: SamplingParams):
         """One token at position pos -> (next token, pos + 1, cache). Everything the next step needs
         comes back as device values; the sampling key is folded with the position on device."""
-        hidden, cache = self._extend(params, cache, token[None], pos, 1)
-        logits = self._lm_logits(params, hidden[0])
-        return sample(logits, jax.random.fold_in(key, pos), sampling), pos + 1, cache
+        module = self._module(params)
+        hidden, cache = module.forward(token[None], cache, pos, 1, self.ex)
+        logits = module.lm_logits(hidden[0])
+        return sample(logits, jax.random.fold_in(key, pos), sampling, self.ex), pos + 1, cache
 
     # ---- public -----------------------------------------------------------------------------
     def logits(self, token_ids) -> np.ndarray:
@@ -114,8 +147,7 @@ class Model:
         if tokens.shape[0] == 0:
             raise ValueError("token_ids is empty")
         _check_ids(tokens, self.cfg.vocab_size)
-        return np.asarray(self._full_logits(self.params, tokens))
-
+        return np.asarray(self._full_logits(self.params, self.new_cache(tokens.shape[0]), tokens))
 
     def incremental_logits(self, token_ids, prompt_len: int) -> np.ndarray:
         """Logits of rows prompt_len-1 .. T-1 computed the decode way: one extend over the prompt,
@@ -143,9 +175,10 @@ def _check_ids(tokens, vocab: int) -> None:
 
 
 def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xla", seed: int = 0,
-         progress=None) -> Model:
+         progress=None, tp: int = 1) -> Model:
     """Load a model: a preset name (random weights: {presets}), a directory in the official
-    safetensors layout, or a lingjax (orbax) checkpoint written by `lingjax convert`."""
+    safetensors layout, or a lingjax (orbax) checkpoint written by `lingjax convert`. tp > 1 shards
+    it over that many devices (safetensors stream each tensor straight into its shards)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if kernels not in KERNELS:
@@ -156,8 +189,11 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xl
     jdtype = DTYPES[dtype]
     source = str(path_or_preset)
     if source in PRESETS:
-        module = LingModel(preset(source), dtype=jdtype, rngs=nnx.Rngs(seed))
-        return Model(module, kernels, source=f"preset:{source}")
+        cfg = preset(source)
+        if tp > 1:
+            sharding.check_tp(cfg, tp)
+        module = LingModel(cfg, dtype=jdtype, rngs=nnx.Rngs(seed))
+        return Model(module, kernels, source=f"preset:{source}", tp=tp)
     directory = Path(source)
     if not directory.is_dir():
         raise FileNotFoundError(f"{source!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")
@@ -165,11 +201,16 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xl
     if not config_path.exists():
         raise checkpoint.CheckpointError(f"{directory}: no config.json")
     cfg = LingConfig.from_file(config_path)
+    place = None
+    if tp > 1:
+        sharding.check_tp(cfg, tp)
+        mesh = sharding.make_mesh(tp)
+        place = lambda path, array: jax.device_put(array, NamedSharding(mesh, sharding.param_spec(path)))  # noqa: E731
     if checkpoint.is_orbax(directory):
         module = checkpoint.load_orbax(directory, cfg, jdtype)
     else:
-        module = checkpoint.load_safetensors(directory, cfg, jdtype, progress=progress)
-    return Model(module, kernels, source=str(directory))
+        module = checkpoint.load_safetensors(directory, cfg, jdtype, place=place, progress=progress)
+    return Model(module, kernels, source=str(directory), tp=tp)
 
 
 load.__doc__ = load.__doc__.format(presets=", ".join(sorted(PRESETS)))

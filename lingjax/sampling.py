@@ -5,6 +5,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from lingjax.execution import Exec
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -42,8 +44,10 @@ def processed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return logits
 
 
-def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
-    """logits: [..., V] -> token ids [...] int32."""
+def sample(logits: jax.Array, key: jax.Array, params: SamplingParams, ex: Exec = Exec()) -> jax.Array:
+    """logits: [..., V] (a vocabulary shard under TP) -> token ids [...] int32. Greedy reduces across
+    shards; sampling gathers the full vocabulary and draws with the same key on every shard."""
     if params.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return ex.argmax_vocab(logits)
+    logits = ex.gather_vocab(logits)
     return jax.random.categorical(key, processed_logits(logits, params), axis=-1).astype(jnp.int32)

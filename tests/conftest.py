@@ -5,9 +5,12 @@ import os
 import zlib
 from pathlib import Path
 
-import jax
-import numpy as np
-import pytest
+# Four fake CPU devices for the tensor-parallel tests (must be set before jax initialises).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -143,3 +143,12 @@ def test_cli_generate_speculative(capsys):
     assert cli.main(args + ["--spec", "nextn", "--steps", "3"]) == 0
     out, err = capsys.readouterr()
     assert out.split() == plain and "mean accept length" in err
+
+
+def test_cli_generate_tensor_parallel(capsys):
+    args = ["generate", "--model", "tiny", "--prompt-ids", "4 5 6", "--max-new-tokens", "5", "--ignore-eos",
+            "--dtype", "float32"]
+    assert cli.main(args) == 0
+    plain = capsys.readouterr().out.split()
+    assert cli.main(args + ["--tp", "2"]) == 0
+    assert capsys.readouterr().out.split() == plain

@@ -37,7 +37,7 @@ class OracleDrafter:
     corrupt_every: int = 0
 
     def init(self, module, capacity):
-        seq = np.zeros(capacity + 2 * self.steps + 2, np.int32)
+        seq = np.zeros(max(capacity, len(self.sequence)) + 2 * self.steps + 2, np.int32)
         seq[: len(self.sequence)] = self.sequence
         return jnp.asarray(seq)
 
@@ -185,9 +185,10 @@ def test_verify_then_commit_equals_sequential_decode(n):
     module = model.module
     prompt = _prompt(20, 7)
     window = _prompt(6, 8)
+    forward, verify = jax.jit(module.forward), jax.jit(module.verify)
     cache = model.new_cache(64)
-    _, cache = module.forward(jnp.asarray(prompt, jnp.int32), cache, 0, len(prompt))
-    hidden, verified, staging = module.verify(jnp.asarray(window, jnp.int32), cache, len(prompt))
+    _, cache = forward(jnp.asarray(prompt, jnp.int32), cache, 0, len(prompt))
+    hidden, verified, staging = verify(jnp.asarray(window, jnp.int32), cache, len(prompt))
     poisoned = tuple(None if st is None else dataclasses.replace(
         st, states=st.states.at[n + 1:].set(jnp.nan), windows=st.windows.at[n + 1:].set(jnp.nan))
         for st in staging)
@@ -195,7 +196,7 @@ def test_verify_then_commit_equals_sequential_decode(n):
     seq = cache
     rows = []
     for i in range(n + 1):
-        h, seq = module.forward(jnp.asarray(window[i : i + 1], jnp.int32), seq, len(prompt) + i, 1)
+        h, seq = forward(jnp.asarray(window[i : i + 1], jnp.int32), seq, len(prompt) + i, 1)
         rows.append(h[0])
     for got, want in zip(committed.layers, seq.layers):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -9,6 +9,7 @@ entries past n repeat the drafts and are junk. Every count stays on the device.
 import jax
 import jax.numpy as jnp
 
+from lingjax.execution import Exec
 from lingjax.sampling import SamplingParams, processed_logits
 
 
@@ -16,9 +17,9 @@ def _emit(drafts, n, bonus):
     return jnp.concatenate([drafts, jnp.zeros((1,), drafts.dtype)]).at[n].set(bonus)
 
 
-def greedy_accept(drafts: jax.Array, logits: jax.Array):
+def greedy_accept(drafts: jax.Array, logits: jax.Array, ex: Exec = Exec()):
     """Longest prefix of drafts equal to the target's argmax, plus the target's bonus token."""
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S+1]
+    target = ex.argmax_vocab(logits)  # [S+1]
     n = jnp.sum(jnp.cumprod(drafts == target[:-1])).astype(jnp.int32)
     return n, _emit(drafts, n, target[n])
 
@@ -41,7 +42,9 @@ def target_only_accept(drafts: jax.Array, logits: jax.Array, key: jax.Array, par
     return n, _emit(drafts, n, bonus)
 
 
-def accept(drafts, logits, key, params: SamplingParams):
+def accept(drafts, logits, key, params: SamplingParams, ex: Exec = Exec()):
+    """logits may be vocabulary shards under TP: greedy reduces across them, sampling gathers them
+    (the same key on every shard keeps the shards' decisions identical)."""
     if params.greedy:
-        return greedy_accept(drafts, logits)
-    return target_only_accept(drafts, logits, key, params)
+        return greedy_accept(drafts, logits, ex)
+    return target_only_accept(drafts, ex.gather_vocab(logits), key, params)

@@ -3,11 +3,13 @@
 A drafter is a frozen (hashable) object whose methods are pure functions called inside the jitted
 round with the merged LingModel; its state is a pytree it owns, carried in SpecState.draft.
 - init(module, capacity) -> state
-- prefill(module, state, tokens [T], hidden [T, D], start, n_valid, next_token, kernels) -> state:
+- prefill(module, state, tokens [T], hidden [T, D], start, n_valid, next_token, ex) -> state:
   consume a prompt chunk (target hidden rows included); next_token is the token after the chunk.
-- propose(module, state, bonus, s, kernels) -> (drafts [S] int32, state)
-- extend(module, state, tokens [S+1], hidden [S+1, D], s, n, kernels) -> state: after the verdict,
+- propose(module, state, bonus, s, ex) -> (drafts [S] int32, state)
+- extend(module, state, tokens [S+1], hidden [S+1, D], s, n, ex) -> state: after the verdict,
   with the round's tokens (first n+1 valid: d_1..d_n, b') and the verify hidden rows.
+`ex` is the lingjax.execution.Exec of the program (kernel set, TP axis: lm_head logits are vocabulary
+shards under TP, so drafters take argmaxes through ex.argmax_vocab).
 A block drafter (DSpark) implements the same four and reuses verify/accept/commit unchanged.
 """
 
@@ -41,25 +43,25 @@ class NextnDrafter:
         return NextnState(cache=init_mla_cache(cfg, capacity, module.dtype), d1=jnp.zeros((), jnp.int32),
                           g=jnp.zeros((cfg.hidden_size,), module.dtype))
 
-    def _seed(self, module, z, cache) -> NextnState:
-        d1 = jnp.argmax(module.lm_logits(z), axis=-1).astype(jnp.int32)
+    def _seed(self, module, z, cache, ex) -> NextnState:
+        d1 = ex.argmax_vocab(module.lm_logits(z))
         return NextnState(cache=cache, d1=d1, g=z)
 
-    def prefill(self, module, state, tokens, hidden, start, n_valid, next_token, kernels):
+    def prefill(self, module, state, tokens, hidden, start, n_valid, next_token, ex):
         # MTP row p takes (x_{p+1}, h_p): the chunk shifted left, the token after it at row n_valid-1.
         shifted = jnp.concatenate([tokens[1:], tokens[:1]]).at[n_valid - 1].set(next_token)
-        z, cache = module.mtp_forward(shifted, hidden, state.cache, start, n_valid, kernels)
-        return self._seed(module, jax.lax.dynamic_index_in_dim(z, n_valid - 1, keepdims=False), cache)
+        z, cache = module.mtp_forward(shifted, hidden, state.cache, start, n_valid, ex)
+        return self._seed(module, jax.lax.dynamic_index_in_dim(z, n_valid - 1, keepdims=False), cache, ex)
 
-    def propose(self, module, state, bonus, s, kernels):
+    def propose(self, module, state, bonus, s, ex):
         drafts, g, cache = [state.d1], state.g, state.cache
         for i in range(1, self.steps):  # MTP row at s+i-1 with (d_i, g) predicts d_{i+1}
-            z, cache = module.mtp_forward(drafts[-1][None], g[None], cache, s + i - 1, 1, kernels)
+            z, cache = module.mtp_forward(drafts[-1][None], g[None], cache, s + i - 1, 1, ex)
             g = z[0]
-            drafts.append(jnp.argmax(module.lm_logits(g), axis=-1).astype(jnp.int32))
+            drafts.append(ex.argmax_vocab(module.lm_logits(g)))
         return jnp.stack(drafts), NextnState(cache=cache, d1=state.d1, g=g)
 
-    def extend(self, module, state, tokens, hidden, s, n, kernels):
+    def extend(self, module, state, tokens, hidden, s, n, ex):
         # MTP rows at s..s+S with (y_r, h_{s+r}); row n seeds the next round, rows past n are junk.
-        z, cache = module.mtp_forward(tokens, hidden, state.cache, s, tokens.shape[0], kernels)
-        return self._seed(module, jax.lax.dynamic_index_in_dim(z, n, keepdims=False), cache)
+        z, cache = module.mtp_forward(tokens, hidden, state.cache, s, tokens.shape[0], ex)
+        return self._seed(module, jax.lax.dynamic_index_in_dim(z, n, keepdims=False), cache, ex)

@@ -8,10 +8,11 @@ device values under fixed shapes, so the host can enqueue round k+1 before round
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from lingjax import cache as cache_lib
 from lingjax.runtime import step_jit
@@ -31,46 +32,59 @@ class SpecState:
 
 
 class SpecProgram:
-    """Jitted prefill and round for one (model, drafter, sampling) combination."""
+    """Jitted prefill and round for one (model, drafter, sampling) combination; under TP each body
+    runs inside shard_map (the drafter's state is replicated)."""
 
     def __init__(self, model, drafter, sampling: SamplingParams):
         self.model, self.drafter, self.sampling = model, drafter, sampling
-        self.prefill_chunk = step_jit(self._prefill_chunk, static_argnames=("last",),
-                                      donate_argnames=("cache", "draft"))
-        self.round = step_jit(self._round, donate_argnames=("state",))
+        rep = P()
+        draft_specs = jax.tree.map(lambda _: rep, jax.eval_shape(lambda: drafter.init(model.module, 1)))
+        state_specs = SpecState(cache=model.cache_specs, draft=draft_specs, s=rep, bonus=rep, round=rep, key=rep)
+        chunk_specs = ((model.param_specs, model.cache_specs, draft_specs) + (rep,) * 5, (rep, model.cache_specs,
+                                                                                        draft_specs))
+        self._prefill = {
+            last: step_jit(model.sharded(functools.partial(self._prefill_chunk, last=last), *chunk_specs),
+                           donate_argnums=(1, 2))
+            for last in (False, True)
+        }
+        self.round = step_jit(model.sharded(self._round, (model.param_specs, state_specs), (state_specs, rep)),
+                              donate_argnums=(1,))
+
+    def prefill_chunk(self, params, cache, draft, tokens, start, n_valid, next_token, key, *, last: bool):
+        return self._prefill[last](params, cache, draft, tokens, start, n_valid, next_token, key)
 
     def _module(self, params):
-        return nnx.merge(self.model.graphdef, params)
+        return self.model._module(params)
 
     def _prefill_chunk(self, params, cache, draft, tokens, start, n_valid, next_token, key, last: bool):
         """One prompt chunk through the target, then through the drafter. On the last chunk the
         token after the prompt is the target's own first token b, sampled here."""
         module = self._module(params)
-        kernels = self.model.kernels
-        hidden, cache = module.forward(tokens, cache, start, n_valid, kernels)
+        ex = self.model.ex
+        hidden, cache = module.forward(tokens, cache, start, n_valid, ex)
         if last:
             logits = module.lm_logits(jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False))
-            next_token = sample(logits, jax.random.fold_in(key, 0), self.sampling)
-        draft = self.drafter.prefill(module, draft, tokens, hidden, start, n_valid, next_token, kernels)
+            next_token = sample(logits, jax.random.fold_in(key, 0), self.sampling, ex)
+        draft = self.drafter.prefill(module, draft, tokens, hidden, start, n_valid, next_token, ex)
         return next_token, cache, draft
 
     def _round(self, params, state: SpecState):
         """-> (next state, int32 [S+2] output)."""
         module = self._module(params)
-        kernels = self.model.kernels
+        ex = self.model.ex
         key = jax.random.fold_in(state.key, state.round + 1)
         with jax.named_scope("draft"):
-            drafts, draft = self.drafter.propose(module, state.draft, state.bonus, state.s, kernels)
+            drafts, draft = self.drafter.propose(module, state.draft, state.bonus, state.s, ex)
         with jax.named_scope("verify"):
             inputs = jnp.concatenate([state.bonus[None], drafts])  # [S+1]: b, d_1..d_S
-            hidden, cache, staging = module.verify(inputs, state.cache, state.s, kernels)
+            hidden, cache, staging = module.verify(inputs, state.cache, state.s, ex)
             logits = module.lm_logits(hidden)  # [S+1, V], lm_head read once for all rows
         with jax.named_scope("accept"):
-            n, tokens = accept(drafts, logits, key, self.sampling)
+            n, tokens = accept(drafts, logits, key, self.sampling, ex)
         with jax.named_scope("commit"):
             cache = cache_lib.commit(cache, staging, n)
         with jax.named_scope("draft_extend"):
-            draft = self.drafter.extend(module, draft, tokens, hidden, state.s, n, kernels)
+            draft = self.drafter.extend(module, draft, tokens, hidden, state.s, n, ex)
         new_state = SpecState(cache=cache, draft=draft, s=state.s + n + 1, bonus=tokens[n],
                               round=state.round + 1, key=state.key)
         # One small array for the host's one read: [t_0..t_S, count]; the first count = n+1 tokens
