@@ -27,20 +27,10 @@ import numpy as np
 import lingjax
 from lingjax import engine
 from lingjax.sampling import SamplingParams
-from lingjax.spec.step import SpecState
 
 
 def _spec_state(model, program, drafter, prompt, max_new):
-    """Prefill through the program, returning the state the first round takes."""
-    capacity = engine.cache_capacity(prompt.size, max_new, drafter.steps + 1)
-    cache, draft = model.new_cache(capacity), drafter.init(model.module, capacity)
-    key = jax.random.key(0)
-    for start, chunk, n_valid, last in engine._prompt_chunks(prompt):
-        after = 0 if last else int(prompt[start + n_valid])
-        bonus, cache, draft = program.prefill_chunk(model.params, cache, draft, jnp.asarray(chunk), jnp.int32(start),
-                                                    jnp.int32(n_valid), jnp.int32(after), key, last=last)
-    return SpecState(cache=cache, draft=draft, s=jnp.int32(prompt.size), bonus=jnp.copy(bonus),
-                     round=jnp.int32(0), key=key)
+    return engine.spec_prefill(model, program, drafter, prompt, max_new, jax.random.key(0))[1]
 
 
 def time_rounds(model, program, drafter, prompt, rounds):

@@ -110,20 +110,27 @@ def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key) -> It
         produced += 1
 
 
-def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens):
-    """Yields each round's new tokens (the prefill's first token, then d_1..d_n, b' per round)."""
+def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tokens: int, base_key):
+    """The prompt through the target and the drafter -> (first token b, the state of round 1)."""
     from lingjax.spec.step import SpecState
 
-    program = model.spec_program(drafter, sampling)
     capacity = cache_capacity(prompt.size, max_new_tokens, drafter.steps + 1)
     cache, draft = model.new_cache(capacity), drafter.init(model.module, capacity)
     for start, chunk, n_valid, last in _prompt_chunks(prompt):
         after = 0 if last else int(prompt[start + n_valid])
         bonus, cache, draft = program.prefill_chunk(model.params, cache, draft, jnp.asarray(chunk), jnp.int32(start),
                                                     jnp.int32(n_valid), jnp.int32(after), base_key, last=last)
-    # the state is donated to the first round, so it gets its own copy of the token the host reads
+    # the state is donated to the first round: it gets its own copies of the token the host reads
+    # and of the caller's key
     state = SpecState(cache=cache, draft=draft, s=jnp.int32(prompt.size), bonus=jnp.copy(bonus),
-                      round=jnp.int32(0), key=base_key)
+                      round=jnp.int32(0), key=jax.random.clone(base_key))
+    return bonus, state
+
+
+def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens):
+    """Yields each round's new tokens (the prefill's first token, then d_1..d_n, b' per round)."""
+    program = model.spec_program(drafter, sampling)
+    bonus, state = spec_prefill(model, program, drafter, prompt, max_new_tokens, base_key)
     pending, produced = bonus, 0
     start_host_copy(pending)
     first = True

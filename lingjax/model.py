@@ -192,6 +192,7 @@ class MoE(nnx.Module):
                 x, self.router[...], self.router_bias[...], top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
                 topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor, renormalize=cfg.norm_topk_prob,
             )
+            self.sow(nnx.Intermediate, "experts", experts)  # for benchmarks' byte counts; free unless read
         with jax.named_scope("moe_experts"):
             args = (x, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
             shared = self.shared
