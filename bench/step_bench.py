@@ -87,22 +87,31 @@ def weight_bytes(model, distinct_experts_per_layer, width: int, draft_forwards: 
 
 def distinct_experts(model, prompt, window) -> list[int]:
     """Per layer, how many distinct experts the routers chose for `window` (verify-shaped, after the
-    prompt), captured from the model's own forward (MoE sows its choices); dense layers: 0."""
-    from flax import nnx
+    prompt), taken from the model's own forward by wrapping MoE.route while tracing; dense: 0."""
+    from lingjax.model import MoE
 
     def run(params, cache, tokens, start):
-        module = model._module(params)
-        module.forward(tokens, cache, start, tokens.shape[0], model.ex)
-        return nnx.to_pure_dict(nnx.state(module, nnx.Intermediate))
+        chosen, route = [], MoE.route
+
+        def recording(self, cfg, x, paths):
+            weights, experts = route(self, cfg, x, paths)
+            chosen.append(experts)
+            return weights, experts
+
+        MoE.route = recording
+        try:
+            model._module(params).forward(tokens, cache, start, tokens.shape[0], model.ex)
+        finally:
+            MoE.route = route
+        return chosen
 
     cache = model.new_cache(engine.cache_capacity(prompt.size, window.size))
     prefill, _ = model.step_programs(SamplingParams())
     for start, chunk, n_valid, _ in engine._prompt_chunks(prompt):
         _, cache = prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid),
                            jax.random.key(0))
-    sown = jax.jit(run)(model.params, cache, jnp.asarray(window), jnp.int32(prompt.size))
-    return [len(np.unique(np.asarray(sown["layers"][i]["mlp"]["experts"][0]))) if i in sown.get("layers", {}) else 0
-            for i in range(model.cfg.num_hidden_layers)]
+    chosen = iter(jax.jit(run)(model.params, cache, jnp.asarray(window), jnp.int32(prompt.size)))
+    return [len(np.unique(np.asarray(next(chosen)))) if kind == MOE else 0 for kind in model.cfg.mlp_types]
 
 
 def time_steps(fn, n: int) -> float:

@@ -186,13 +186,17 @@ class MoE(nnx.Module):
             if cfg.shared_intermediate_size else None
         )
 
-    def __call__(self, cfg: LingConfig, x, paths: Paths):
+    def route(self, cfg: LingConfig, x, paths: Paths):
+        """-> (weights [T, k] f32, experts [T, k] int32). A method of its own so that
+        nnx.capture(..., method_outputs=nnx.Intermediate) can record the routers' choices."""
         with jax.named_scope("moe_router"):
-            weights, experts = paths.op("moe_route")(
+            return paths.op("moe_route")(
                 x, self.router[...], self.router_bias[...], top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
                 topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor, renormalize=cfg.norm_topk_prob,
             )
-            self.sow(nnx.Intermediate, "experts", experts)  # for benchmarks' byte counts; free unless read
+
+    def __call__(self, cfg: LingConfig, x, paths: Paths):
+        weights, experts = self.route(cfg, x, paths)
         with jax.named_scope("moe_experts"):
             args = (x, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
             shared = self.shared

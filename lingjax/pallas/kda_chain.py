@@ -19,12 +19,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops import kda as kda_ops
+from lingjax.pallas import resolve_interpret
 
 MAX_T = 16
 
-
-def _interpret(interpret):
-    return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
 def _chain_kernel(qkv_ref, f_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
@@ -94,7 +92,7 @@ def kda_chain_verify(qkv, f, b, window, conv_w, a_log, dt_bias, state, *, num_he
         out_shape=(jax.ShapeDtypeStruct((t_len, h, dv), jnp.float32),
                    jax.ShapeDtypeStruct((t_len, h, dk, dv), jnp.float32)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=_interpret(interpret),
+        interpret=resolve_interpret(interpret),
         name="kda_chain_verify",
     )(qkv, f, b, window, conv_w.astype(jnp.float32), a_log, dt_bias, state.astype(jnp.float32))
 
@@ -130,7 +128,7 @@ def kda_commit(staged, windows, n, *, block_k: int = 32, interpret=None):
         out_shape=(jax.ShapeDtypeStruct(staged.shape[1:], staged.dtype),
                    jax.ShapeDtypeStruct(windows.shape[1:], windows.dtype)),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=_interpret(interpret),
+        interpret=resolve_interpret(interpret),
         name="kda_commit",
     )(jnp.asarray(n, jnp.int32).reshape(1), staged, windows)
 

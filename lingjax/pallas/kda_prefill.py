@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops import kda as kda_ops  # the reference: kda_ops.kda_chunked
+from lingjax.pallas import resolve_interpret
 
 PRECISIONS = {  # dot precision on the GPU; interpret mode always uses f32 (HIGHEST)
     "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,  # ~f32 accuracy on the tensor cores
@@ -31,9 +32,6 @@ PRECISIONS = {  # dot precision on the GPU; interpret mode always uses f32 (HIGH
     "ieee": lax.Precision.HIGHEST,
 }
 
-
-def _interpret(interpret):
-    return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
 def _prefill_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref,  # inputs
@@ -104,7 +102,7 @@ def kda_chunked_prefill(q, k, v, g, beta, state, chunk: int = 64, *, block_t: in
     pad = -t_len % block_t
     if pad:
         q, k, v, g, beta = (jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (q, k, v, g, beta))
-    interpret = _interpret(interpret)
+    interpret = resolve_interpret(interpret)
     kernel = functools.partial(_prefill_kernel, block_t=block_t, block_v=block_v,
                                precision=lax.Precision.HIGHEST if interpret else PRECISIONS[precision])
     o, final = pl.pallas_call(

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from lingjax.pallas import resolve_interpret
+
 PAIR_LIMIT = 64  # the [NP, NP] comparison runs in one program up to here; larger NP sorts
 _I32 = jnp.int32
 
@@ -109,8 +111,7 @@ def moe_align(experts, *, block_m=16, n_blocks=None, chunk=128, num_warps=4, int
     experts: [T, k] int32. Returns (sorted_ids [S], block_expert [NB], pos [NP], meta [2]); S and NB may be
     padded past NP·block_m and NP (to powers of 2): the extra blocks read −1 and the extra slots NP.
     """
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = resolve_interpret(interpret)
     flat = experts.reshape(-1).astype(_I32)
     npairs = flat.shape[0]
     if npairs > PAIR_LIMIT:

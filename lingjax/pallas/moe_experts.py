@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from lingjax.pallas import resolve_interpret
+
 from lingjax.ops.moe import experts_gathered  # the reference
 from lingjax.pallas.moe_align import moe_align, n_blocks_for
 
@@ -138,8 +140,7 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block
     result. `y_init` ([NP + 1 (+ T), D] f32, tests only) seeds the output rows so that a row no kernel
     wrote shows up.
     """
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = resolve_interpret(interpret)
     t, d = x.shape
     n_exp, i_dim, _ = w_gate.shape
     top_k = experts.shape[1]

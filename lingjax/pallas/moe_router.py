@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from lingjax.pallas import resolve_interpret
+
 from lingjax.ops.moe import route as route_reference  # the reference
 
 F32 = jnp.float32
@@ -110,8 +112,7 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
     [T, k] int32)."""
     if precision not in ("f32", "bf16"):
         raise ValueError(f"precision must be 'f32' or 'bf16', got {precision!r}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = resolve_interpret(interpret)
     t, d = x.shape
     n_exp = router_w.shape[0]
     k_per_split = d // k_splits
