@@ -42,3 +42,15 @@ def fixture_dirs():
 @pytest.fixture(params=fixture_dirs(), ids=lambda p: p.name)
 def hf_fixture(request):
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. XLA:CPU maps memory for each executable it
+    JIT-compiles; a few thousand executables in one process run into the kernel's limit on memory
+    maps (vm.max_map_count, 65530 here) and the next compile segfaults."""
+    yield
+    jax.clear_caches()
+    import gc
+
+    gc.collect()
