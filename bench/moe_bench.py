@@ -100,7 +100,6 @@ def main():
     cfg = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)
     ts = (1, 6) if smoke else (1, 6, 16)
     n_iter, reps = (1, 1) if smoke else (30, 7)
-    interp = None
     lines, fails = [], []
 
     def say(s=""):
