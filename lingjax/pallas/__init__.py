@@ -1,7 +1,8 @@
 """Pallas GPU kernels, each beside the plain-JAX reference in lingjax/ops/ it is tested against.
 
-Empty until the kernel issues land (KDA chain-verify/decode/commit/prefill; MoE router, align,
-grouped GEMM); `lingjax.load(..., kernels="pallas")` raises NotImplementedError until then.
+kda_chain (fused chain-verify/decode + commit), kda_prefill (chunked prefill), moe_router,
+moe_align (pair-axis align), moe_experts (grouped GEMMs with the SwiGLU epilogue). lingjax/kernels.py
+maps each onto the reference op it replaces; `lingjax.load(..., kernels="pallas")` selects them.
 """
 
 import jax
