@@ -291,16 +291,24 @@ def is_orbax(directory: str | Path) -> bool:
     return (Path(directory) / META_FILE).exists() and (Path(directory) / ORBAX_DIR).is_dir()
 
 
-def load_orbax(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16) -> LingModel:
-    """Restore a checkpoint written by save_orbax, cast to `dtype` (f32-by-design parameters stay f32)."""
+def load_orbax(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
+               sharding_for: Callable[[tuple], jax.sharding.Sharding] | None = None) -> LingModel:
+    """Restore a checkpoint written by save_orbax, cast to `dtype` (f32-by-design parameters stay f32).
+    `sharding_for(path)` restores each parameter straight into that sharding (each device reads its
+    own shard); without it everything lands on the default device."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
     meta = json.loads((directory / META_FILE).read_text())
     _, saved = nnx.split(abstract_model(cfg, jnp.dtype(meta["dtype"]), with_mtp=meta["has_mtp"]))
+    target = nnx.to_pure_dict(saved)
+    if sharding_for is not None:
+        target = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                    sharding=sharding_for(tuple(k.key for k in path))), target)
     with ocp.StandardCheckpointer() as ckptr:
         try:
-            params = ckptr.restore(directory / ORBAX_DIR, nnx.to_pure_dict(saved))
+            params = ckptr.restore(directory / ORBAX_DIR, target)
         except Exception as e:
             raise CheckpointError(f"{directory / ORBAX_DIR}: cannot restore ({e})") from None
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype, with_mtp=meta["has_mtp"]))

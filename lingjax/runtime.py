@@ -201,13 +201,19 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xl
     if not config_path.exists():
         raise checkpoint.CheckpointError(f"{directory}: no config.json")
     cfg = LingConfig.from_file(config_path)
-    place = None
-    if tp > 1:
+    sharding_for = place = None
+    if tp > 1:  # every parameter goes straight into its shards
         sharding.check_tp(cfg, tp)
         mesh = sharding.make_mesh(tp)
-        place = lambda path, array: jax.device_put(array, NamedSharding(mesh, sharding.param_spec(path)))  # noqa: E731
+
+        def sharding_for(path):
+            return NamedSharding(mesh, sharding.param_spec(path))
+
+        def place(path, array):
+            return jax.device_put(array, sharding_for(path))
+
     if checkpoint.is_orbax(directory):
-        module = checkpoint.load_orbax(directory, cfg, jdtype)
+        module = checkpoint.load_orbax(directory, cfg, jdtype, sharding_for=sharding_for)
     else:
         module = checkpoint.load_safetensors(directory, cfg, jdtype, place=place, progress=progress)
     return Model(module, kernels, source=str(directory), tp=tp)
