@@ -15,6 +15,7 @@ from lingjax import kernels
 class Exec:
     kernels: str = "xla"  # "xla" | "pallas", see lingjax.kernels
     tp_axis: str | None = None  # set inside shard_map: weights and heads are this device's shard
+    router_precision: str = "f32"  # "f32" (parity) or "bf16" (declared rounding change), see ops.moe.route
 
     def op(self, name: str):
         return kernels.get(name, self.kernels)

@@ -193,6 +193,7 @@ class MoE(nnx.Module):
             return paths.op("moe_route")(
                 x, self.router[...], self.router_bias[...], top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
                 topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor, renormalize=cfg.norm_topk_prob,
+                precision=paths.ex.router_precision,
             )
 
     def __call__(self, cfg: LingConfig, x, paths: Paths):

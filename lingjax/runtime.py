@@ -45,14 +45,17 @@ class Model:
     the jitted entry points the engine uses. With tp > 1 the parameters are sharded over a mesh of
     tp devices (lingjax/sharding.py) and every program body runs inside shard_map."""
 
-    def __init__(self, module: LingModel, kernels: str = "xla", source: str = "", tp: int = 1):
+    def __init__(self, module: LingModel, kernels: str = "xla", source: str = "", tp: int = 1,
+                 router_precision: str = "f32"):
         self.module = module
         self.cfg: LingConfig = module.cfg
         self.kernels = kernels
         self.source = source
         self.tp = tp
         self.mesh = sharding.make_mesh(tp) if tp > 1 else None
-        self.ex = Exec(kernels, sharding.AXIS if self.mesh else None)
+        if router_precision not in ("f32", "bf16"):
+            raise ValueError(f"router_precision must be 'f32' or 'bf16', got {router_precision!r}")
+        self.ex = Exec(kernels, sharding.AXIS if self.mesh else None, router_precision)
         self.graphdef, params = nnx.split(module)
         self.param_specs = sharding.param_specs(params)
         self.cache_specs = sharding.cache_spec(jax.eval_shape(lambda: init_cache(self.cfg, 1, self.dtype)))
@@ -175,10 +178,12 @@ def _check_ids(tokens, vocab: int) -> None:
 
 
 def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xla", seed: int = 0,
-         progress=None, tp: int = 1) -> Model:
+         progress=None, tp: int = 1, router_precision: str = "f32") -> Model:
     """Load a model: a preset name (random weights: {presets}), a directory in the official
     safetensors layout, or a lingjax (orbax) checkpoint written by `lingjax convert`. tp > 1 shards
-    it over that many devices (safetensors stream each tensor straight into its shards)."""
+    it over that many devices (safetensors stream each tensor straight into its shards).
+    router_precision="bf16" runs the MoE gate GEMV on bf16 operands (the seed's speed-up; a declared
+    rounding change, so parity tests keep the default "f32")."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if kernels not in KERNELS:
@@ -193,7 +198,7 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xl
         if tp > 1:
             sharding.check_tp(cfg, tp)
         module = LingModel(cfg, dtype=jdtype, rngs=nnx.Rngs(seed))
-        return Model(module, kernels, source=f"preset:{source}", tp=tp)
+        return Model(module, kernels, source=f"preset:{source}", tp=tp, router_precision=router_precision)
     directory = Path(source)
     if not directory.is_dir():
         raise FileNotFoundError(f"{source!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")
@@ -216,7 +221,7 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xl
         module = checkpoint.load_orbax(directory, cfg, jdtype, sharding_for=sharding_for)
     else:
         module = checkpoint.load_safetensors(directory, cfg, jdtype, place=place, progress=progress)
-    return Model(module, kernels, source=str(directory), tp=tp)
+    return Model(module, kernels, source=str(directory), tp=tp, router_precision=router_precision)
 
 
 load.__doc__ = load.__doc__.format(presets=", ".join(sorted(PRESETS)))

@@ -203,3 +203,17 @@ def test_kda_chain_contract_matches_prepare_and_recurrence():
         o_n, s_n = kda.kda_recurrent(q, k, v, g, beta, state)
         assert rel_err(staged[n - 1], s_n) < 1e-6 and rel_err(o[:n], o_n) < 1e-6
         assert rel_err(kda.conv_windows(window, qkv)[n - 1], win) == 0.0
+
+
+def test_route_bf16_precision_is_f32_routing_of_bf16_operands():
+    ks = jax.random.split(key_for("route-bf16"), 3)
+    x = jax.random.normal(ks[0], (5, 64))
+    w = jax.random.normal(ks[1], (32, 64))
+    bias = 0.3 * jax.random.normal(ks[2], (32,))
+    kw = dict(top_k=4, n_group=4, topk_group=2, scaling=2.5, renormalize=True)
+    got_w, got_e = moe.route(x, w, bias, precision="bf16", **kw)
+    rounded = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    want_w, want_e = moe.route(rounded(x), rounded(w), bias, **kw)
+    assert (np.asarray(got_e) == np.asarray(want_e)).all() and rel_err(got_w, want_w) < 1e-5
+    with pytest.raises(ValueError, match="precision"):
+        moe.route(x, w, bias, precision="fp8", **kw)

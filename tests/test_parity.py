@@ -45,3 +45,12 @@ def test_decode_step_logits_match_full_forward(hf_fixture):
     full = model.logits(sequence)[prompt_len - 1 :]
     assert rel_err(stepped, full) <= TOLERANCE["float32"]
     assert rel_err(stepped, ref["decode_logits"]) <= TOLERANCE["float32"]
+
+
+def test_bf16_router_keeps_parity(hf_fixture):
+    """The declared bf16 router: the fixtures' routing margins survive its rounding, so the logits stay
+    within the bf16 tolerance and the greedy tokens are unchanged."""
+    ref = _reference(hf_fixture)
+    model = lingjax.Model(_model(hf_fixture, "float32").module, router_precision="bf16")
+    assert rel_err(model.logits(ref["prompt_ids"]), ref["logits"]) <= TOLERANCE["bfloat16"]
+    assert lingjax.generate(model, ref["prompt_ids"], 32, ignore_eos=True).tokens == ref["greedy_tokens"].tolist()

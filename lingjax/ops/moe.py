@@ -6,12 +6,17 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize):
+def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize, precision="f32"):
     """Group-limited sigmoid routing; the bias steers selection only.
 
     x: [T, D]; router_w: [E, D]; bias: [E] f32. Returns (weights [T, k] f32, experts [T, k] int32).
+    precision "f32" (HF parity) runs the gate GEMV on f32 operands; "bf16" (the seed's declared rounding
+    change, half the router bytes) on bf16 operands with f32 accumulation.
     """
-    logits = jnp.einsum("td,ed->te", x.astype(F32), router_w.astype(F32))
+    if precision not in ("f32", "bf16"):
+        raise ValueError(f"router precision must be 'f32' or 'bf16', got {precision!r}")
+    operand = F32 if precision == "f32" else jnp.bfloat16
+    logits = jnp.einsum("td,ed->te", x.astype(operand), router_w.astype(operand), preferred_element_type=F32)
     scores = jax.nn.sigmoid(logits)
     sel = scores + bias.astype(F32)
     t, e = sel.shape
