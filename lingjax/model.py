@@ -101,6 +101,8 @@ class KDAAttention(nnx.Module):
         """Returns (y, new cache); with stage=True (verify) returns (y, KDAStaged) and the committed
         cache is left for `lingjax.cache.commit`."""
         t = x.shape[0]
+        if stage and paths.kda_chunked:
+            raise ValueError(f"staged (verify) forwards take at most {SMALL_T} tokens, got {t}")
         h, dk = self.b_proj.shape[0], cfg.kda_head_dim  # heads on this device (all of them without TP)
         with jax.named_scope("kda_proj"):
             qkv = jnp.concatenate([linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)], -1)
@@ -119,8 +121,6 @@ class KDAAttention(nnx.Module):
                 o, staged = paths.op("kda_chain")(*args, cache.state, **gate_cfg)
                 windows = kda_ops.conv_windows(window, qkv).reshape((t,) + cache.conv.shape)
                 state, conv = staged[-1], windows[-1]
-        if stage and paths.kda_chunked:
-            raise ValueError(f"staged (verify) forwards take at most {SMALL_T} tokens, got {t}")
         with jax.named_scope("kda_out"):
             gate = linear(x, self.g_proj).reshape(t, h, dk)
             y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)
