@@ -60,11 +60,9 @@ def time_rounds(model, program, drafter, prompt, rounds):
 
 def time_decode(model, prompt, steps):
     sampling = SamplingParams()
-    prefill, decode = model.step_programs(sampling)
-    cache = model.new_cache(engine.cache_capacity(prompt.size, steps))
+    _, decode = model.step_programs(sampling)
     key = jax.random.key(0)
-    for start, chunk, n_valid, _ in engine._prompt_chunks(prompt):
-        token, cache = prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid), key)
+    token, cache = engine.plain_prefill(model, prompt, steps, sampling, key)
     jax.block_until_ready(token)
     t0 = time.perf_counter()
     calls = []

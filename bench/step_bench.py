@@ -105,11 +105,7 @@ def distinct_experts(model, prompt, window) -> list[int]:
             MoE.route = route
         return chosen
 
-    cache = model.new_cache(engine.cache_capacity(prompt.size, window.size))
-    prefill, _ = model.step_programs(SamplingParams())
-    for start, chunk, n_valid, _ in engine._prompt_chunks(prompt):
-        _, cache = prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid),
-                           jax.random.key(0))
+    _, cache = engine.plain_prefill(model, prompt, window.size, SamplingParams(), jax.random.key(0))
     chosen = iter(jax.jit(run)(model.params, cache, jnp.asarray(window), jnp.int32(prompt.size)))
     return [len(np.unique(np.asarray(next(chosen)))) if kind == MOE else 0 for kind in model.cfg.mlp_types]
 
@@ -161,14 +157,11 @@ def main():
     for kernels in args.kernels:
         model = lingjax.Model(base.module, kernels=kernels, source=args.model)
         sampling = SamplingParams()
-        prefill, decode = model.step_programs(sampling)
+        _, decode = model.step_programs(sampling)
 
         def fresh_decode_state():
-            cache = model.new_cache(engine.cache_capacity(prompt.size, 6 * args.n))
             key = jax.random.key(0)
-            for start, chunk, n_valid, _ in engine._prompt_chunks(prompt):
-                token, cache = prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid), key)
-            return token, cache, key
+            return (*engine.plain_prefill(model, prompt, 6 * args.n, sampling, key), key)
 
         def run_decode(n):
             token, cache, key = fresh_decode_state()

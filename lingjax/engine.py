@@ -92,13 +92,19 @@ def _prompt_chunks(prompt: np.ndarray) -> Iterator[tuple[int, np.ndarray, int, b
         yield start, padded, chunk.size, start + PREFILL_CHUNK >= prompt.size
 
 
-def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key) -> Iterator[list[int]]:
-    """Yields each new token (as a one-element list), reading one step behind the device."""
-    prefill, decode = model.step_programs(sampling)
+def plain_prefill(model: Model, prompt: np.ndarray, max_new_tokens: int, sampling, key):
+    """The prompt through the target in chunks -> (first new token, cache sized for max_new_tokens)."""
+    prefill, _ = model.step_programs(sampling)
     cache = model.new_cache(cache_capacity(prompt.size, max_new_tokens))
     for start, chunk, n_valid, _ in _prompt_chunks(prompt):
-        token, cache = prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid),
-                               jax.random.fold_in(base_key, 0))
+        token, cache = prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid), key)
+    return token, cache
+
+
+def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key) -> Iterator[list[int]]:
+    """Yields each new token (as a one-element list), reading one step behind the device."""
+    _, decode = model.step_programs(sampling)
+    token, cache = plain_prefill(model, prompt, max_new_tokens, sampling, jax.random.fold_in(base_key, 0))
     start_host_copy(token)
     pos, produced = jnp.int32(prompt.size), 0
     while True:

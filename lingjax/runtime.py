@@ -64,7 +64,6 @@ class Model:
             params = sharding.place(params, self.param_specs, self.mesh)
         self.params = params
         ps, cs, rep, vocab = self.param_specs, self.cache_specs, P(), P(None, sharding.AXIS)
-        self._full_logits = jax.jit(self.sharded(self._full_logits_impl, (ps, cs, rep), vocab))
         self._extend_logits = jax.jit(self.sharded(self._extend_logits_impl, (ps, cs, rep, rep), (vocab, cs)),
                                       donate_argnums=(1,))
         self._step_programs = {}
@@ -118,11 +117,6 @@ class Model:
     def _module(self, params) -> LingModel:
         return nnx.merge(self.graphdef, params)
 
-    def _full_logits_impl(self, params, cache, tokens):
-        module = self._module(params)
-        hidden, _ = module.forward(tokens, cache, 0, tokens.shape[0], self.ex)
-        return module.lm_logits(hidden)
-
     def _extend_logits_impl(self, params, cache, tokens, start):
         module = self._module(params)
         hidden, cache = module.forward(tokens, cache, start, tokens.shape[0], self.ex)
@@ -150,7 +144,8 @@ class Model:
         if tokens.shape[0] == 0:
             raise ValueError("token_ids is empty")
         _check_ids(tokens, self.cfg.vocab_size)
-        return np.asarray(self._full_logits(self.params, self.new_cache(tokens.shape[0]), tokens))
+        logits, _ = self._extend_logits(self.params, self.new_cache(tokens.shape[0]), tokens, jnp.int32(0))
+        return np.asarray(logits)
 
     def incremental_logits(self, token_ids, prompt_len: int) -> np.ndarray:
         """Logits of rows prompt_len-1 .. T-1 computed the decode way: one extend over the prompt,
