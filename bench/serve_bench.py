@@ -39,6 +39,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", default="xla")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--spec", default=None, choices=[None, "nextn"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=8192)
@@ -48,7 +49,8 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    model = lingjax.load(args.model, dtype=args.dtype, kernels=args.kernels, tp=args.tp)
+    model = lingjax.load(args.model, dtype=args.dtype, kernels=args.kernels, tp=args.tp,
+                         router_precision=args.router_precision)
     rng = np.random.default_rng(0)
 
     def request():
@@ -77,7 +79,7 @@ def main():
     accept = sum(sum(r.accept_lens) for _, r in results) / rounds if rounds else 1.0
     mean_tpot = statistics.fmean(tpots)
     lines = [
-        f"# serve_bench: {args.model}, {args.dtype}, kernels={args.kernels}, tp={args.tp}, "
+        f"# serve_bench: {args.model}, {args.dtype}, kernels={args.kernels}, router {args.router_precision}, tp={args.tp}, "
         f"spec={args.spec or 'none'}{f' (S={args.steps})' if args.spec else ''}",
         f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} x{args.tp}, jax {jax.__version__}; "
         f"prompt {args.prompt_len}, output {args.output_len}, concurrency 1, greedy, EOS ignored; "

@@ -1,32 +1,43 @@
-"""Steady-state step time against its byte floor, per kernel set.
+"""Steady-state step time against its byte floor, per tensor-parallel size and kernel set.
 
-    python bench/step_bench.py --model mid --steps 3 --kernels xla pallas --out report.md
+    python bench/step_bench.py --model mid --tp 1 2 --steps 3 --kernels xla pallas --out report.md
+    python bench/step_bench.py --model flash --tp 4 --kernels pallas --router-precision bf16 --profile prof/
 
-For each kernel set: the plain T=1 decode step and the speculative round (S drafts, verify width
+For each TP size (random weights made shard by shard on the devices, the same weights for every
+size) and kernel set: the plain T=1 decode step and the speculative round (S drafts, verify width
 S+1), each timed as N steps dispatched back to back with one block at the end (median of 5 such
 batches; random weights, so the MTP drafts fail and every round commits one token). Printed with
 - kernels: the step program's launches counted in its optimised HLO (fusions, custom calls, library
-  calls, collectives and copies outside fusions; a loop body counts once);
-- bytes: weights the step must read (lm_head, attention and dense weights, router, shared expert,
-  and the distinct routed experts the routers actually chose in that step, captured from the model),
-  KDA state traffic, MTP draft weights;
-- floor: bytes / bandwidth, the bandwidth measured in the same run (a bf16 copy of 4 GiB).
+  calls, collectives and copies outside fusions; a loop body counts once, so a lower bound);
+- bytes: what one device must read in the step: lm_head, attention and dense weights, router,
+  shared expert, the distinct routed experts the routers actually chose (captured from the model),
+  KDA state traffic, MLA latent cache, MTP draft weights; split weights count 1/tp, replicated
+  ones (router, MLA kv_a_proj, latent cache) in full;
+- floor: bytes / bandwidth, the bandwidth of a bf16 copy of 4 GiB measured in the same run.
+--profile DIR traces --profile-steps spec rounds per configuration and prints the GPU-time census
+of lingjax.profiling side by side (kernel sets and TP sizes), calibrated against the unprofiled
+round; the raw traces and the round's optimised HLO land flat in DIR.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
+import gzip
 import re
+import shutil
+import tempfile
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import lingjax
-from lingjax import engine
+from lingjax import engine, profiling
 from lingjax.config import KDA, MOE
 from lingjax.sampling import SamplingParams
 
@@ -48,46 +59,56 @@ def count_kernels(compiled_text: str) -> int:
 
 def bandwidth() -> float:
     x = jnp.ones((2 << 30,), jnp.bfloat16)  # 4 GiB
-    copy = jax.jit(lambda a: a * jnp.bfloat16(1.0001))
-    copy(x).block_until_ready()
+    scale = jnp.bfloat16(1.5)  # a runtime operand, so XLA cannot fold the copy away
+    copy = jax.jit(lambda a, c: a * c)
+    copy(x, scale).block_until_ready()
     times = []
     for _ in range(5):
         t = time.perf_counter()
-        copy(x).block_until_ready()
+        copy(x, scale).block_until_ready()
         times.append(time.perf_counter() - t)
     return 2 * x.nbytes / statistics.median(times)
 
 
-def weight_bytes(model, distinct_experts_per_layer, width: int, draft_forwards: int) -> float:
-    """Bytes one step reads at batch 1: see the module docstring."""
+def _layer_bytes(cfg, attn, mlp, distinct, width, ctx, item, tp) -> float:
+    """One layer's bytes on one device at batch 1, verify width `width`, `ctx` cached positions:
+    split weights count 1/tp, replicated ones (router, MLA kv_a_proj and latent cache) in full."""
+    d = cfg.hidden_size
+    total = 0.0
+    if attn == KDA:
+        p, h = cfg.kda_dim, cfg.kda_num_heads
+        total += ((6 * p * d + h * d) * item + 3 * p * cfg.conv_size * 4) / tp
+        total += (1 + width) * h * cfg.kda_head_dim**2 * 4 / tp  # state read + one staged write per row
+    else:
+        nh = cfg.num_heads
+        total += (nh * cfg.qk_head_dim * d + nh * 256 * cfg.kv_lora_rank + nh * d + d * nh * cfg.v_head_dim) * item / tp
+        total += cfg.mla_cache_dim * d * item + ctx * cfg.mla_cache_dim * item  # kv_a_proj + latent cache
+    if mlp == MOE:
+        expert = 3 * cfg.moe_intermediate_size * d * item
+        total += cfg.num_experts * d * item + (3 * cfg.shared_intermediate_size * d * item + distinct * expert) / tp
+    else:
+        total += 3 * cfg.intermediate_size * d * item / tp
+    return total
+
+
+def weight_bytes(model, distinct_experts_per_layer, width: int, draft_forwards: int, ctx: int, tp: int = 1) -> float:
+    """Bytes one device reads in one step at batch 1: see the module docstring."""
     cfg, item = model.cfg, jnp.dtype(model.dtype).itemsize
     d = cfg.hidden_size
-    expert = 3 * cfg.moe_intermediate_size * d * item
-    total = cfg.vocab_size * d * item  # lm_head, read once for all rows
-    for i, (attn, mlp) in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
-        if attn == KDA:
-            p, h = cfg.kda_dim, cfg.kda_num_heads
-            total += (6 * p * d + h * d) * item + 3 * p * cfg.conv_size * 4
-            total += (1 + width) * h * cfg.kda_head_dim**2 * 4  # state read + one staged write per row
-        else:
-            nh = cfg.num_heads
-            total += (nh * cfg.qk_head_dim * d + cfg.mla_cache_dim * d + nh * 256 * cfg.kv_lora_rank
-                      + nh * d + d * nh * cfg.v_head_dim) * item
-        if mlp == MOE:
-            total += cfg.num_experts * d * item + 3 * cfg.shared_intermediate_size * d * item
-            total += distinct_experts_per_layer[i] * expert
-        else:
-            total += 3 * cfg.intermediate_size * d * item
-    if draft_forwards:  # MTP: eh_proj + MLA + MoE (k experts) + lm_head per draft forward
-        mtp = (2 * d * d + cfg.num_heads * cfg.qk_head_dim * d + cfg.num_experts * d) * item \
-            + (cfg.num_experts_per_tok + 1) * expert + cfg.vocab_size * d * item
-        total += draft_forwards * mtp
-    return total
+    lm_head = cfg.vocab_size * d * item / tp  # read once for all rows
+    total = lm_head + sum(_layer_bytes(cfg, attn, mlp, distinct_experts_per_layer[i], width, ctx, item, tp)
+                          for i, (attn, mlp) in enumerate(zip(cfg.layer_types, cfg.mlp_types)))
+    # MTP draft forwards (S-1 drafts of one row + the draft-extend): eh_proj + an MLA/MoE block whose
+    # MoE reads k experts + lm_head
+    mtp = 2 * d * d * item + _layer_bytes(cfg, "mla", MOE, cfg.num_experts_per_tok, 1, ctx, item, tp) + lm_head
+    return total + draft_forwards * mtp
 
 
 def distinct_experts(model, prompt, window) -> list[int]:
     """Per layer, how many distinct experts the routers chose for `window` (verify-shaped, after the
     prompt), taken from the model's own forward by wrapping MoE.route while tracing; dense: 0."""
+    from jax.sharding import PartitionSpec as P
+
     from lingjax.model import MoE
 
     def run(params, cache, tokens, start):
@@ -105,6 +126,8 @@ def distinct_experts(model, prompt, window) -> list[int]:
             MoE.route = route
         return chosen
 
+    n_moe = sum(kind == MOE for kind in model.cfg.mlp_types)
+    run = model.sharded(run, (model.param_specs, model.cache_specs, P(), P()), [P()] * n_moe)
     _, cache = engine.plain_prefill(model, prompt, window.size, SamplingParams(), jax.random.key(0))
     chosen = iter(jax.jit(run)(model.params, cache, jnp.asarray(window), jnp.int32(prompt.size)))
     return [len(np.unique(np.asarray(next(chosen)))) if kind == MOE else 0 for kind in model.cfg.mlp_types]
@@ -119,15 +142,80 @@ def time_steps(fn, n: int) -> float:
     return statistics.median(times)
 
 
+def bench_kernels(model, args, prompt, say):
+    """Decode and speculative-round timings of one loaded model -> (rows, spec-round census or None)."""
+    sampling = SamplingParams()
+    _, decode = model.step_programs(sampling)
+    key = jax.random.key(0)
+
+    def run_decode(n):
+        token, cache = engine.plain_prefill(model, prompt, 6 * n, sampling, key)
+        jax.block_until_ready(cache)
+        pos = jnp.int32(prompt.size)
+        t = time.perf_counter()
+        for _ in range(n):
+            token, pos, cache = decode(model.params, cache, token, pos, key)
+        return t, token
+
+    run_decode(2)  # compile
+    t_dec = time_steps(run_decode, args.n)
+    token, cache = engine.plain_prefill(model, prompt, 6 * args.n, sampling, key)
+    k_dec = count_kernels(decode.lower(model.params, cache, token, jnp.int32(prompt.size), key).compile().as_text())
+    del cache
+
+    drafter = engine._make_drafter(model, "nextn", args.steps)
+    program = model.spec_program(drafter, sampling)
+
+    def prepared_rounds(n):  # -> launch(): n rounds from a fresh state, -> (start time, last output)
+        state = engine.spec_prefill(model, program, drafter, prompt, 6 * n, key)[1]
+        jax.block_until_ready(state)
+
+        def launch():
+            nonlocal state
+            t = time.perf_counter()
+            for _ in range(n):
+                state, out = program.round(model.params, state)
+            return t, out
+        return launch
+
+    prepared_rounds(2)()  # compile
+    t_round = time_steps(lambda n: prepared_rounds(n)(), args.n)
+    state = engine.spec_prefill(model, program, drafter, prompt, 6 * args.n, key)[1]
+    round_hlo = program.round.lower(model.params, state).compile().as_text()
+    del state
+    census = None
+    if args.profile:  # only the rounds are traced; the prompt's prefill runs before
+        tag = f"{args.model}_tp{model.tp}_{model.kernels}"
+        launch = prepared_rounds(args.profile_steps)
+        with tempfile.TemporaryDirectory() as raw:
+            with profiling.capture(raw) as trace:
+                jax.block_until_ready(launch()[1])
+            kernels = profiling.load_kernels(trace.path)
+            shutil.copy(trace.path, Path(args.profile) / f"{tag}.trace.json.gz")
+        with gzip.open(Path(args.profile) / f"{tag}.round_hlo.txt.gz", "wt") as f:
+            f.write(round_hlo)
+        try:
+            census = profiling.census(kernels, profiling.op_scopes(round_hlo), args.profile_steps, t_round)
+        except ValueError as e:  # the raw trace and HLO are saved: the census can be redone offline
+            say(f"census of {tag} failed: {e}")
+    return [("decode T=1", t_dec, k_dec), (f"spec round S={args.steps}", t_round, count_kernels(round_hlo))], census
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="mid")
+    ap.add_argument("--model", default="mid", help="preset (random weights made on the device) or checkpoint")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes, run one after another")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--kernels", nargs="+", default=["xla", "pallas"])
+    ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--n", type=int, default=32, help="steps per timed batch")
+    ap.add_argument("--profile", default=None, help="directory: trace the spec round and print a GPU-time census")
+    ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     lines = []
 
     def say(text=""):
@@ -135,66 +223,54 @@ def main():
         lines.append(text)
 
     bw = bandwidth()
-    base = lingjax.load(args.model, dtype="bfloat16")
-    jax.block_until_ready(base.params)
-    say(f"# step_bench: {args.model} ({base.num_params() / 1e9:.2f} B params, bf16, random weights), S={args.steps}")
-    say(f"date {datetime.date.today()}, device {jax.devices()[0].device_kind}, jax {jax.__version__}; "
-        f"bandwidth (bf16 copy, same run) {bw / 1e12:.2f} TB/s")
-    prompt = np.random.default_rng(0).integers(0, base.cfg.vocab_size, args.prompt_len).astype(np.int32)
-    width = args.steps + 1
-    # the routers' real choices for a verify-width window and for one token
-    window = np.random.default_rng(1).integers(0, base.cfg.vocab_size, width).astype(np.int32)
-    distinct_w = distinct_experts(base, prompt, window)
-    distinct_1 = distinct_experts(base, prompt, window[:1])
-    bytes_decode = weight_bytes(base, distinct_1, 1, 0)
-    # round = S-1 MTP draft forwards + verify (width S+1) + draft-extend (one MTP forward at width S+1)
-    bytes_round = weight_bytes(base, distinct_w, width, args.steps)
-    say(f"distinct routed experts per MoE layer: T=1 {[d for d in distinct_1 if d]}, T={width} "
-        f"{[d for d in distinct_w if d]}")
+    say(f"# step_bench: {args.model}, bf16, S={args.steps}, router {args.router_precision}, tp {args.tp}")
+    say(f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} x{len(jax.devices())} visible, "
+        f"jax {jax.__version__}; bandwidth per device (bf16 copy, same run) {bw / 1e12:.2f} TB/s")
+    say("floor = bytes one device must read in the step / that bandwidth (split weights 1/tp, replicated in full)")
+    rows, censuses = [], {}
+    for tp in args.tp:
+        t0 = time.perf_counter()
+        base = lingjax.load(args.model, dtype="bfloat16", tp=tp, router_precision=args.router_precision)
+        jax.block_until_ready(base.params)
+        say(f"tp={tp}: {base.num_params() / 1e9:.2f} B params made on device in {time.perf_counter() - t0:.1f} s")
+        prompt = np.random.default_rng(0).integers(0, base.cfg.vocab_size, args.prompt_len).astype(np.int32)
+        width = args.steps + 1
+        # the routers' real choices for a verify-width window and for one token
+        window = np.random.default_rng(1).integers(0, base.cfg.vocab_size, width).astype(np.int32)
+        distinct_w = distinct_experts(base, prompt, window)
+        distinct_1 = [base.cfg.num_experts_per_tok if d else 0 for d in distinct_w]  # one token: k distinct
+        say(f"tp={tp}: distinct routed experts per MoE layer: T=1 mean {np.mean([d for d in distinct_1 if d]):.1f}, "
+            f"T={width} mean {np.mean([d for d in distinct_w if d]):.1f}")
+        ctx = args.prompt_len
+        bytes_decode = weight_bytes(base, distinct_1, 1, 0, ctx, tp)
+        # round = S-1 MTP draft forwards + verify (width S+1) + draft-extend (one MTP forward)
+        bytes_round = weight_bytes(base, distinct_w, width, args.steps, ctx, tp)
+        for kernels in args.kernels:
+            model = lingjax.Model(base.module, kernels=kernels, source=args.model, tp=tp,
+                                  router_precision=args.router_precision)
+            measured, census = bench_kernels(model, args, prompt, say)
+            for (name, t, k), b in zip(measured, (bytes_decode, bytes_round)):
+                floor = b / bw
+                rows.append(f"| {tp} | {kernels} | {name} | {t * 1e6:.0f} | {k} | {b / 1e6:.0f} | {floor * 1e6:.0f} | "
+                            f"{t / floor:.2f} |")
+                say(rows[-1])
+            if census is not None:
+                censuses[f"tp{tp} {kernels}"] = census
+            del model
+        del base
+        gc.collect()
+        jax.clear_caches()
     say()
-    say("| kernels | step | µs/step | kernels in HLO | MB read (floor) | floor µs | step / floor |")
-    say("|---|---|---|---|---|---|---|")
-    for kernels in args.kernels:
-        model = lingjax.Model(base.module, kernels=kernels, source=args.model)
-        sampling = SamplingParams()
-        _, decode = model.step_programs(sampling)
-
-        def fresh_decode_state():
-            key = jax.random.key(0)
-            return (*engine.plain_prefill(model, prompt, 6 * args.n, sampling, key), key)
-
-        def run_decode(n):
-            token, cache, key = fresh_decode_state()
-            jax.block_until_ready(cache)
-            pos = jnp.int32(prompt.size)
-            t = time.perf_counter()
-            for _ in range(n):
-                token, pos, cache = decode(model.params, cache, token, pos, key)
-            return t, token
-
-        run_decode(2)  # compile
-        t_dec = time_steps(run_decode, args.n)
-        token, cache, key = fresh_decode_state()
-        k_dec = count_kernels(decode.lower(model.params, cache, token, jnp.int32(prompt.size), key).compile().as_text())
-
-        drafter = engine._make_drafter(model, "nextn", args.steps)
-        program = model.spec_program(drafter, sampling)
-        def run_round(n):
-            state = engine.spec_prefill(model, program, drafter, prompt, 6 * n, key)[1]
-            jax.block_until_ready(state)
-            t = time.perf_counter()
-            for _ in range(n):
-                state, out = program.round(model.params, state)
-            return t, out
-
-        run_round(2)
-        t_round = time_steps(run_round, args.n)
-        state = engine.spec_prefill(model, program, drafter, prompt, 6 * args.n, key)[1]
-        k_round = count_kernels(program.round.lower(model.params, state).compile().as_text())
-        for name, t, k, b in (("decode T=1", t_dec, k_dec, bytes_decode), (f"spec round S={args.steps}", t_round,
-                                                                           k_round, bytes_round)):
-            floor = b / bw
-            say(f"| {kernels} | {name} | {t * 1e6:.0f} | {k} | {b / 1e6:.0f} | {floor * 1e6:.0f} | {t / floor:.2f} |")
+    say("| tp | kernels | step | µs/step | kernels in HLO | MB read per device | floor µs | step / floor |")
+    say("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        say(row)
+    if censuses:
+        say()
+        say(f"GPU-time census of the spec round (device 0, {args.profile_steps} traced rounds; raw traces and HLO "
+            f"in {args.profile}):")
+        say()
+        say(profiling.format_census(censuses))
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

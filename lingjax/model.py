@@ -171,7 +171,8 @@ class DenseMLP(nnx.Module):
         self.limit = limit
 
     def __call__(self, x):  # -> f32 (under TP: this device's partial sum, see the callers' psum)
-        return moe_ops.mlp(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.limit)
+        with jax.named_scope("dense_mlp"):
+            return moe_ops.mlp(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.limit)
 
 
 class MoE(nnx.Module):
@@ -250,7 +251,8 @@ class MTPLayer(nnx.Module):
         Returns (z [T, D] post final_layernorm, cache)."""
         eps = cfg.rms_norm_eps
         u = jnp.concatenate([rms_norm(embedded, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)], -1)
-        u = linear(u, self.eh_proj)
+        with jax.named_scope("eh_proj"):
+            u = linear(u, self.eh_proj)
         u, cache = self.block(cfg, u, cache, positions, n_valid, paths)
         return rms_norm(u, self.final_norm[...], eps), cache
 

@@ -21,7 +21,7 @@ from lingjax.cache import ModelCache, init_cache
 from lingjax.config import PRESETS, LingConfig, preset
 from lingjax.execution import Exec
 from lingjax.kernels import KERNELS, missing_pallas_ops
-from lingjax.model import LingModel, param_count
+from lingjax.model import LingModel, abstract_model, param_count
 from lingjax.sampling import SamplingParams, sample
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -172,6 +172,24 @@ def _check_ids(tokens, vocab: int) -> None:
         raise ValueError(f"token ids {bad[:5].tolist()} are outside the vocabulary [0, {vocab})")
 
 
+def random_model(cfg: LingConfig, dtype, seed: int, mesh=None) -> LingModel:
+    """LingModel with random weights, made by one jitted program on the device(s). With a mesh every
+    device draws only its own shards (partitionable threefry: the same weights for any mesh), so a
+    model larger than one device, such as Flash at TP2, never exists whole anywhere."""
+    graphdef, params = _random_params(cfg, jnp.dtype(dtype), mesh)
+    return nnx.merge(graphdef, params(jnp.int32(seed)))
+
+
+@functools.lru_cache(maxsize=8)
+def _random_params(cfg: LingConfig, dtype, mesh):
+    """(graphdef, jitted seed -> parameters), compiled once per config, dtype and mesh."""
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+    out = None if mesh is None else jax.tree.map(lambda s: NamedSharding(mesh, s), sharding.param_specs(abstract))
+    make = jax.jit(lambda seed: nnx.split(LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(jax.random.key(seed))))[1],
+                   out_shardings=out)
+    return graphdef, make
+
+
 def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xla", seed: int = 0,
          progress=None, tp: int = 1, router_precision: str = "f32") -> Model:
     """Load a model: a preset name (random weights: {presets}), a directory in the official
@@ -192,7 +210,7 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xl
         cfg = preset(source)
         if tp > 1:
             sharding.check_tp(cfg, tp)
-        module = LingModel(cfg, dtype=jdtype, rngs=nnx.Rngs(seed))
+        module = random_model(cfg, jdtype, seed, sharding.make_mesh(tp) if tp > 1 else None)
         return Model(module, kernels, source=f"preset:{source}", tp=tp, router_precision=router_precision)
     directory = Path(source)
     if not directory.is_dir():

@@ -1,0 +1,190 @@
+"""Profile capture and a census of GPU time per category for steady-state steps.
+
+The categories are the write-up's (its NEXTN census on 4 Blackwell GPUs): MoE experts, router and
+other small glue kernels, all-reduce, dense GEMM, KDA, MLA attention, and idle. A kernel's category
+comes from the named scopes the model puts on its ops (lingjax/model.py): the trace names each GPU
+kernel's HLO instruction (`hlo_op`), the optimised HLO maps that instruction to its `op_name`
+metadata, and the scope path inside it says which sub-layer launched it.
+
+The profiler perturbs what it measures: XLA turns command buffers (CUDA graphs) off while tracing,
+so a traced step has launch gaps a real step does not. `census` therefore takes the unprofiled step
+time too and reports both the traced idle and the idle left in a real step once the busy time is
+known (real step − kernel time), the write-up's profiled-vs-unprofiled calibration.
+
+    with capture("/tmp/prof") as trace:
+        run_steps(n)
+    c = census(load_kernels(trace.path), op_scopes(compiled.as_text()), steps=n, real_step_s=t)
+    print(format_census({"pallas": c}))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+
+CATEGORIES = ("MoE experts", "router/glue", "all-reduce", "dense GEMM", "KDA", "MLA attention")
+_COLLECTIVE = re.compile(r"all-reduce|allreduce|all-gather|allgather|reduce-scatter|reducescatter|nccl", re.I)
+_GEMM = re.compile(r"gemm|gemv|cutlass|xmma|cublas|nvjet|matmul|dot", re.I)
+_DENSE_SCOPES = {"kda_proj", "kda_gate", "kda_out", "mla_proj", "mla_out", "dense_mlp", "lm_head", "eh_proj"}
+_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"')
+
+
+@dataclasses.dataclass
+class Kernel:
+    device: int
+    start_us: float
+    dur_us: float
+    name: str
+    hlo_op: str
+
+
+@dataclasses.dataclass
+class Census:
+    steps: int
+    traced_step_us: float  # device 0: first kernel start to last kernel end, per step
+    busy_us: float  # device 0: union of kernel intervals, per step
+    by_category_us: dict  # device 0: summed kernel time per category, per step
+    kernels_per_step: float  # device 0
+    real_step_us: float | None = None  # unprofiled, measured separately
+    devices: int = 1
+
+    @property
+    def traced_idle_us(self) -> float:
+        return self.traced_step_us - self.busy_us
+
+    @property
+    def real_idle_us(self) -> float | None:
+        return None if self.real_step_us is None else max(self.real_step_us - self.busy_us, 0.0)
+
+
+class _Trace:
+    path: Path | None = None
+
+
+@contextlib.contextmanager
+def capture(log_dir: str | Path):
+    """jax.profiler trace of the block; afterwards `.path` is the trace file (Chrome JSON, gzipped)."""
+    log_dir = Path(log_dir)
+    trace = _Trace()
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
+        yield trace
+    files = sorted(log_dir.glob("plugins/profile/*/*.trace.json.gz")) or \
+        sorted(log_dir.glob("plugins/profile/*/perfetto_trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"jax.profiler wrote no trace under {log_dir}")
+    trace.path = files[-1]
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> its op_name metadata (the jax named-scope path), from optimised HLO text."""
+    scopes = {}
+    for line in hlo_text.splitlines():
+        m = _OP_NAME.match(line)
+        if m:
+            scopes[m.group(1)] = m.group(2)
+    return scopes
+
+
+def load_kernels(trace_path: str | Path) -> list[Kernel]:
+    """GPU kernel (and memcpy) events of every device in a jax.profiler trace. Device processes are
+    named '/device:GPU:N'; only their stream threads hold raw kernels (the 'XLA Ops'/'XLA Modules'
+    lines are derived copies)."""
+    with gzip.open(trace_path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    devices, streams = {}, {}
+    for e in events:
+        if e.get("ph") != "M":
+            continue
+        name = e.get("args", {}).get("name", "")
+        if e.get("name") == "process_name" and (m := re.match(r"/device:GPU:(\d+)", name)):
+            devices[e["pid"]] = int(m.group(1))
+        elif e.get("name") == "thread_name":
+            streams[(e["pid"], e["tid"])] = name
+    kernels = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in devices:
+            continue
+        if not streams.get((e["pid"], e.get("tid")), "").startswith("Stream"):
+            continue
+        args = e.get("args", {})
+        kernels.append(Kernel(devices[e["pid"]], float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", ""),
+                              str(args.get("hlo_op", ""))))
+    return kernels
+
+
+def category(kernel: Kernel, scope: str) -> str:
+    text = f"{kernel.name} {kernel.hlo_op}"
+    if _COLLECTIVE.search(text):
+        return "all-reduce"
+    parts = set(scope.split("/"))
+    if parts & {"kda_recurrence", "commit"}:
+        return "KDA"
+    if parts & {"mla_attention", "mla_cache_write"}:
+        return "MLA attention"
+    if parts & {"moe_experts", "moe_shared"}:
+        return "MoE experts"
+    if parts & _DENSE_SCOPES and _GEMM.search(text):
+        return "dense GEMM"
+    return "router/glue"
+
+
+def _union_us(intervals) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def census(kernels: list[Kernel], scopes: dict[str, str], steps: int, real_step_s: float | None = None,
+           device: int = 0) -> Census:
+    """Per-step GPU time by category on `device` over a trace of `steps` back-to-back steps."""
+    mine = [k for k in kernels if k.device == device]
+    if not mine:
+        raise ValueError(f"the trace holds no kernels of GPU {device} (devices seen: "
+                         f"{sorted({k.device for k in kernels})})")
+    by = defaultdict(float)
+    for k in mine:
+        by[category(k, scopes.get(k.hlo_op, ""))] += k.dur_us
+    window = max(k.start_us + k.dur_us for k in mine) - min(k.start_us for k in mine)
+    busy = _union_us((k.start_us, k.start_us + k.dur_us) for k in mine)
+    return Census(steps=steps, traced_step_us=window / steps, busy_us=busy / steps,
+                  by_category_us={c: by[c] / steps for c in CATEGORIES}, kernels_per_step=len(mine) / steps,
+                  real_step_us=None if real_step_s is None else real_step_s * 1e6,
+                  devices=len({k.device for k in kernels}))
+
+
+def format_census(censuses: dict[str, Census]) -> str:
+    """Side-by-side markdown table, one column per labelled census (µs per step, share of the step)."""
+    labels = list(censuses)
+
+    def cell(us, c):
+        step = c.real_step_us or c.traced_step_us
+        return f"{us:.0f} ({100 * us / step:.1f}%)"
+
+    rows = [f"| µs per step (share of real step) | {' | '.join(labels)} |", "|---" * (len(labels) + 1) + "|"]
+    for cat in CATEGORIES:
+        rows.append(f"| {cat} | " + " | ".join(cell(censuses[l].by_category_us[cat], censuses[l]) for l in labels) + " |")
+    rows.append("| idle in the real step (real − kernel time) | " + " | ".join(
+        cell(c.real_idle_us, c) if c.real_idle_us is not None else "—" for c in censuses.values()) + " |")
+    rows.append("| kernel time (union) | " + " | ".join(f"{c.busy_us:.0f}" for c in censuses.values()) + " |")
+    rows.append("| real step (unprofiled) | " + " | ".join(
+        f"{c.real_step_us:.0f}" if c.real_step_us else "—" for c in censuses.values()) + " |")
+    rows.append("| traced step (profiler on, no CUDA graphs) | " + " | ".join(
+        f"{c.traced_step_us:.0f}" for c in censuses.values()) + " |")
+    rows.append("| traced / real | " + " | ".join(
+        f"{c.traced_step_us / c.real_step_us:.2f}" if c.real_step_us else "—" for c in censuses.values()) + " |")
+    rows.append("| idle while traced | " + " | ".join(
+        f"{c.traced_idle_us:.0f} ({100 * c.traced_idle_us / c.traced_step_us:.1f}%)" for c in censuses.values()) + " |")
+    rows.append("| kernels per step (traced) | " + " | ".join(
+        f"{c.kernels_per_step:.0f}" for c in censuses.values()) + " |")
+    return "\n".join(rows)
