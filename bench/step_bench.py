@@ -29,6 +29,7 @@ import re
 import shutil
 import tempfile
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -142,6 +143,10 @@ def time_steps(fn, n: int) -> float:
     return statistics.median(times)
 
 
+def progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def bench_kernels(model, args, prompt, say):
     """Decode and speculative-round timings of one loaded model -> (rows, spec-round census or None)."""
     sampling = SamplingParams()
@@ -157,8 +162,10 @@ def bench_kernels(model, args, prompt, say):
             token, pos, cache = decode(model.params, cache, token, pos, key)
         return t, token
 
+    began = time.perf_counter()
     run_decode(2)  # compile
     t_dec = time_steps(run_decode, args.n)
+    progress(f"tp={model.tp} {model.kernels}: decode compiled and timed, {time.perf_counter() - began:.0f} s")
     token, cache = engine.plain_prefill(model, prompt, 6 * args.n, sampling, key)
     k_dec = count_kernels(decode.lower(model.params, cache, token, jnp.int32(prompt.size), key).compile().as_text())
     del cache
@@ -180,6 +187,7 @@ def bench_kernels(model, args, prompt, say):
 
     prepared_rounds(2)()  # compile
     t_round = time_steps(lambda n: prepared_rounds(n)(), args.n)
+    progress(f"tp={model.tp} {model.kernels}: spec round compiled and timed, {time.perf_counter() - began:.0f} s")
     state = engine.spec_prefill(model, program, drafter, prompt, 6 * args.n, key)[1]
     round_hlo = program.round.lower(model.params, state).compile().as_text()
     del state
@@ -237,6 +245,7 @@ def main():
         width = args.steps + 1
         # the routers' real choices for a verify-width window and for one token
         window = np.random.default_rng(1).integers(0, base.cfg.vocab_size, width).astype(np.int32)
+        progress(f"tp={tp}: measuring the routers' choices")
         distinct_w = distinct_experts(base, prompt, window)
         distinct_1 = [base.cfg.num_experts_per_tok if d else 0 for d in distinct_w]  # one token: k distinct
         say(f"tp={tp}: distinct routed experts per MoE layer: T=1 mean {np.mean([d for d in distinct_1 if d]):.1f}, "

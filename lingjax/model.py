@@ -65,35 +65,43 @@ def row_linear(x: jax.Array, w: jax.Array, ex: Exec) -> jax.Array:
     return ex.psum(jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32)).astype(x.dtype)
 
 
+def draw(key, shape, dtype, how: tuple) -> jax.Array:
+    """A random array: how = ("normal", mean, std) or ("log_uniform", low, high), drawn in f32."""
+    if how[0] == "normal":
+        w = how[1] + how[2] * jax.random.normal(key, shape, F32)
+    else:
+        w = jnp.log(jax.random.uniform(key, shape, F32, minval=how[1], maxval=how[2]))
+    return w.astype(dtype)
+
+
 class _Init:
-    """Random initialisation for presets and tests (real weights come from a checkpoint)."""
+    """Random initialisation for presets and tests (real weights come from a checkpoint). Each Param
+    keeps its distribution as metadata (`random`), so lingjax.runtime.random_model can draw the same
+    kind of weights leaf by leaf, straight into their shards."""
 
     def __init__(self, rngs: nnx.Rngs, dtype):
         self.rngs, self.dtype = rngs, dtype
 
+    def param(self, shape, how, dtype=None):
+        return nnx.Param(draw(self.rngs.params(), shape, dtype or self.dtype, how), random=how)
+
     def matrix(self, *shape, dtype=None):  # [..., out, in], std 1/sqrt(in)
-        w = jax.random.normal(self.rngs.params(), shape, F32) / jnp.sqrt(shape[-1])
-        return nnx.Param(w.astype(dtype or self.dtype))
+        return self.param(shape, ("normal", 0.0, shape[-1] ** -0.5), dtype)
 
     def norm(self, n):
-        return nnx.Param((1.0 + 0.1 * jax.random.normal(self.rngs.params(), (n,), F32)).astype(self.dtype))
-
-    def f32(self, array):
-        return nnx.Param(jnp.asarray(array, F32))
+        return self.param((n,), ("normal", 1.0, 0.1))
 
 
 class KDAAttention(nnx.Module):
     def __init__(self, cfg: LingConfig, init: _Init):
         d, p, h = cfg.hidden_size, cfg.kda_dim, cfg.kda_num_heads
-        key = init.rngs.params
         self.q_proj, self.k_proj, self.v_proj = (init.matrix(p, d) for _ in range(3))
         self.f_proj, self.g_proj = init.matrix(p, d), init.matrix(p, d)
         self.b_proj = init.matrix(h, d)
-        self.q_conv, self.k_conv, self.v_conv = (
-            init.f32(0.5 * jax.random.normal(key(), (p, cfg.conv_size))) for _ in range(3)
-        )
-        self.a_log = init.f32(jnp.log(jax.random.uniform(key(), (h,), minval=1.0, maxval=16.0)))
-        self.dt_bias = init.f32(jax.random.normal(key(), (p,)))
+        self.q_conv, self.k_conv, self.v_conv = (init.param((p, cfg.conv_size), ("normal", 0.0, 0.5), F32)
+                                                 for _ in range(3))
+        self.a_log = init.param((h,), ("log_uniform", 1.0, 16.0), F32)
+        self.dt_bias = init.param((p,), ("normal", 0.0, 1.0), F32)
         self.o_norm = init.norm(cfg.kda_head_dim)
         self.o_proj = init.matrix(d, p)
 
@@ -179,7 +187,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: LingConfig, init: _Init, layer_id: int):
         d, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.router = init.matrix(e, d)
-        self.router_bias = init.f32(0.1 * jax.random.normal(init.rngs.params(), (e,)))
+        self.router_bias = init.param((e,), ("normal", 0.0, 0.1), F32)
         self.w_gate, self.w_up, self.w_down = init.matrix(e, i, d), init.matrix(e, i, d), init.matrix(e, d, i)
         self.limit = cfg.swiglu_limit(layer_id, shared=False)
         self.shared = (

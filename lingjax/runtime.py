@@ -21,7 +21,7 @@ from lingjax.cache import ModelCache, init_cache
 from lingjax.config import PRESETS, LingConfig, preset
 from lingjax.execution import Exec
 from lingjax.kernels import KERNELS, missing_pallas_ops
-from lingjax.model import LingModel, abstract_model, param_count
+from lingjax.model import LingModel, abstract_model, draw, param_count
 from lingjax.sampling import SamplingParams, sample
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -173,21 +173,28 @@ def _check_ids(tokens, vocab: int) -> None:
 
 
 def random_model(cfg: LingConfig, dtype, seed: int, mesh=None) -> LingModel:
-    """LingModel with random weights, made by one jitted program on the device(s). With a mesh every
-    device draws only its own shards (partitionable threefry: the same weights for any mesh), so a
-    model larger than one device, such as Flash at TP2, never exists whole anywhere."""
-    graphdef, params = _random_params(cfg, jnp.dtype(dtype), mesh)
-    return nnx.merge(graphdef, params(jnp.int32(seed)))
-
-
-@functools.lru_cache(maxsize=8)
-def _random_params(cfg: LingConfig, dtype, mesh):
-    """(graphdef, jitted seed -> parameters), compiled once per config, dtype and mesh."""
+    """LingModel with random weights drawn on the device(s), leaf by leaf, each with the distribution
+    its constructor records (lingjax.model._Init). With a mesh every device draws only its own
+    shards (partitionable threefry: the same weights for any mesh), so a model larger than one
+    device, such as Flash at TP2, never exists whole anywhere. One small program per distinct
+    (shape, dtype, distribution, sharding): a whole-model program took 5 minutes to compile."""
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
-    out = None if mesh is None else jax.tree.map(lambda s: NamedSharding(mesh, s), sharding.param_specs(abstract))
-    make = jax.jit(lambda seed: nnx.split(LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(jax.random.key(seed))))[1],
-                   out_shardings=out)
-    return graphdef, make
+    base = jax.random.key(seed)
+    index = iter(range(1 << 30))
+
+    def make(path, var):
+        spec = sharding.param_spec(sharding.path_keys(path))
+        out = None if mesh is None else NamedSharding(mesh, spec)
+        key = jax.random.fold_in(base, next(index))
+        return var.replace(_drawer(var.shape, jnp.dtype(var.dtype), var.random, out)(key))
+
+    params = jax.tree_util.tree_map_with_path(make, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, params)
+
+
+@functools.lru_cache(maxsize=256)
+def _drawer(shape, dtype, how, out_sharding):
+    return jax.jit(functools.partial(draw, shape=shape, dtype=dtype, how=how), out_shardings=out_sharding)
 
 
 def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xla", seed: int = 0,

@@ -59,13 +59,13 @@ def param_spec(path: tuple) -> P:
     return _BY_NAME.get(name, P())
 
 
-def _keys(path) -> tuple:
+def path_keys(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "name", k)) for k in path if getattr(k, "name", None) != "value")
 
 
 def param_specs(params):
     """A PartitionSpec for every leaf of the model's parameter state."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: param_spec(_keys(path)), params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: param_spec(path_keys(path)), params)
 
 
 def check_tp(cfg: LingConfig, tp: int) -> None:
