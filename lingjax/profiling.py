@@ -30,9 +30,11 @@ from pathlib import Path
 import jax
 
 CATEGORIES = ("MoE experts", "router/glue", "all-reduce", "dense GEMM", "KDA", "MLA attention")
-_COLLECTIVE = re.compile(r"all-reduce|allreduce|all-gather|allgather|reduce-scatter|reducescatter|nccl", re.I)
+_COLLECTIVE = re.compile(r"all-reduce|allreduce|psum|all-gather|allgather|reduce-scatter|reducescatter|nccl", re.I)
 _GEMM = re.compile(r"gemm|gemv|cutlass|xmma|cublas|nvjet|matmul|dot", re.I)
 _DENSE_SCOPES = {"kda_proj", "kda_gate", "kda_out", "mla_proj", "mla_out", "dense_mlp", "lm_head", "eh_proj"}
+_PALLAS = ((re.compile(r"kda_"), "KDA"), (re.compile(r"moe_(up|down)"), "MoE experts"),
+           (re.compile(r"moe_(router|align)"), "router/glue"))
 _OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"')
 
 
@@ -82,14 +84,24 @@ def capture(log_dir: str | Path):
     trace.path = files[-1]
 
 
+def _plain(name: str) -> str:
+    return re.sub(r"[.\-]", "_", name)
+
+
 def op_scopes(hlo_text: str) -> dict[str, str]:
-    """Instruction name -> its op_name metadata (the jax named-scope path), from optimised HLO text."""
+    """Instruction name -> its op_name metadata (the jax named-scope path), from optimised HLO text.
+    Each name is also entered with '.' and '-' as '_': inside a CUDA graph the trace's hlo_op is
+    the command buffer, and only the kernel's own name (the fusion's, so spelled) is left."""
     scopes = {}
     for line in hlo_text.splitlines():
         m = _OP_NAME.match(line)
         if m:
-            scopes[m.group(1)] = m.group(2)
+            scopes[m.group(1)] = scopes[_plain(m.group(1))] = m.group(2)
     return scopes
+
+
+def scope_of(kernel: Kernel, scopes: dict[str, str]) -> str:
+    return scopes.get(kernel.hlo_op) or scopes.get(kernel.name) or scopes.get(_plain(kernel.name), "")
 
 
 def load_kernels(trace_path: str | Path) -> list[Kernel]:
@@ -124,6 +136,9 @@ def category(kernel: Kernel, scope: str) -> str:
     text = f"{kernel.name} {kernel.hlo_op}"
     if _COLLECTIVE.search(text):
         return "all-reduce"
+    for pattern, cat in _PALLAS:  # Pallas kernels carry their own names, not an HLO instruction's
+        if pattern.match(kernel.name):
+            return cat
     parts = set(scope.split("/"))
     if parts & {"kda_recurrence", "commit"}:
         return "KDA"
@@ -154,7 +169,7 @@ def census(kernels: list[Kernel], scopes: dict[str, str], steps: int, real_step_
                          f"{sorted({k.device for k in kernels})})")
     by = defaultdict(float)
     for k in mine:
-        by[category(k, scopes.get(k.hlo_op, ""))] += k.dur_us
+        by[category(k, scope_of(k, scopes))] += k.dur_us
     window = max(k.start_us + k.dur_us for k in mine) - min(k.start_us for k in mine)
     busy = _union_us((k.start_us, k.start_us + k.dur_us) for k in mine)
     return Census(steps=steps, traced_step_us=window / steps, busy_us=busy / steps,
