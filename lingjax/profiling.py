@@ -6,10 +6,12 @@ comes from the named scopes the model puts on its ops (lingjax/model.py): the tr
 kernel's HLO instruction (`hlo_op`), the optimised HLO maps that instruction to its `op_name`
 metadata, and the scope path inside it says which sub-layer launched it.
 
-The profiler perturbs what it measures: XLA turns command buffers (CUDA graphs) off while tracing,
-so a traced step has launch gaps a real step does not. `census` therefore takes the unprofiled step
-time too and reports both the traced idle and the idle left in a real step once the busy time is
-known (real step − kernel time), the write-up's profiled-vs-unprofiled calibration.
+The profiler perturbs what it measures: it slows the host's launches (on Flash at TP2/TP4 a traced
+round took 1.55-1.81x the unprofiled one), so a traced step has gaps a real step does not. `census`
+therefore takes the unprofiled step time too and reports both the traced idle and the idle left in
+a real step once the kernel time is known (real step − kernel time), the write-up's
+profiled-vs-unprofiled calibration. Kernels inside CUDA graphs are traced with the command buffer
+as their `hlo_op`, so they are found by their own (fusion) names.
 
     with capture("/tmp/prof") as trace:
         run_steps(n)
@@ -194,7 +196,7 @@ def format_census(censuses: dict[str, Census]) -> str:
     rows.append("| kernel time (union) | " + " | ".join(f"{c.busy_us:.0f}" for c in censuses.values()) + " |")
     rows.append("| real step (unprofiled) | " + " | ".join(
         f"{c.real_step_us:.0f}" if c.real_step_us else "—" for c in censuses.values()) + " |")
-    rows.append("| traced step (profiler on, no CUDA graphs) | " + " | ".join(
+    rows.append("| traced step (profiler on) | " + " | ".join(
         f"{c.traced_step_us:.0f}" for c in censuses.values()) + " |")
     rows.append("| traced / real | " + " | ".join(
         f"{c.traced_step_us / c.real_step_us:.2f}" if c.real_step_us else "—" for c in censuses.values()) + " |")

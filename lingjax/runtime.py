@@ -29,18 +29,18 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 def step_jit(fun, **kwargs):
     """jax.jit for a hot step program. On GPU the whole step goes into XLA command buffers (CUDA
-    graphs): loops, conditionals and collectives included. Measured on the H200s:
-    - one H200 (bench/results/spec_overlap_h200_2026-11-29.md): command buffers cut the host's
-      dispatch of a speculative round from 3.2-4.3 ms to 2.0 ms, below the device's time;
-    - Flash at TP4 (bench/results/step_flash_h200x4_2026-11-29.md): with collectives left out, each
-      all-reduce split the graph, a round was ~200 graph launches plus ~100 bare all-reduces per
-      device, and the host's launching took 35% of the step.
-    XLA's dot merger is off: it fused each KDA layer's five projections into one GEMM by copying
-    the five weight matrices into a new buffer every step (26 MB a layer, 0.6 ms of a Flash round),
-    which at batch 1 costs far more than the launches it saves. Elsewhere plain jax.jit."""
+    graphs), loops and conditionals included: measured on the H200 (bench/results/
+    spec_overlap_h200_2026-11-29.md) this cut the host's dispatch of a speculative round from 3.2-4.3
+    ms to 2.0 ms, below the device's time, so the run-ahead loop hides it. Collectives are not in
+    the list: a Flash TP4 round compiled with them did not finish its timing within 2.5 minutes
+    (bench/results/step_flash_h200x4_2026-11-29.md), so each all-reduce still splits the graph.
+    XLA's dot merger is off: the Flash profile showed it fusing each KDA layer's five projections
+    into one GEMM by copying the five weight matrices into a new buffer every step (26 MB a layer,
+    0.6 ms of a TP4 round), which at batch 1 costs far more than the launches it saves (the gain is
+    not yet measured). Elsewhere plain jax.jit."""
     if jax.default_backend() == "gpu":
         kwargs["compiler_options"] = {
-            "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,COLLECTIVES,WHILE,CONDITIONAL",
+            "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL",
             "xla_gpu_graph_min_graph_size": 1,
             "xla_gpu_dot_merger_threshold_mb": 0,
         }
