@@ -8,18 +8,19 @@ Every K-reduction is over the whole K axis of one tile, so results do not depend
 
 Each program is a serial chain (T rows, a few cross-warp reductions each) and, at H = 32 and
 BV = 16, all programs are resident at once, so the time is one program's latency. Options of
-kda_chain_verify that shorten that chain (defaults = the first measured version):
+kda_chain_verify that shorten that chain (defaults = the version measured on 2026-11-29):
 - hoist_loads: issue every global read (state tiles, the T rows of qkv/f/b, window, conv weights)
-  before the first reduction and derive the per-row vectors (gate, beta, q, k) before the row
-  chain. Otherwise a row's f/b loads sit behind the previous row's reductions: bar.sync is a
-  scheduling fence, so each row paid a DRAM round trip (the measured ~1.6-2.6 us per row).
+  before the first reduction, and derive the per-row gate, beta and q.k before the row chain.
+  Otherwise each row's f/b loads sit behind the previous row's reductions (an sm_90 compile of the
+  first version has LDGs between each row's bar.syncs), so every row paid a DRAM round trip:
+  the measured 1.6-2.6 us per extra row.
 - parallel_read: with S' = diag(exp g_t) S_{t-1}, take u = S'^T k and w = S'^T q as two independent
   reductions of S', then delta = beta (v - u), o_t = w + (q.k) delta, S_t = S' + k delta^T. The
   read no longer waits for the write: one reduction per row leaves the serial chain (rounding
   differs from the reference's order in the last bits).
 - tiles_per_program: V tiles per program, their independent chains interleaved row by row; the
   head's prologue (conv, norms, gate) is computed once per program instead of once per tile, and
-  tiles_per_program = V / BV gives one program per head.
+  tiles_per_program = V / BV gives one program per head (more registers: spills at large T).
 
 Reference: lingjax.ops.kda.kda_chain (math in ling3_architecture.md §3).
 """
