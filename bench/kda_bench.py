@@ -7,11 +7,17 @@ Method (the write-up's): rotating cold inputs (R = 64 distinct states and activa
 kernel R times on distinct buffers), medians of many runs. Byte floors use the bandwidth of a bf16
 copy measured in the same run. fla (fla-core, PyTorch + Triton) runs first in a child process,
 CUDA-graph-captured over the same rotation, so JAX does not hold its memory.
+
+Order, within KDA_BENCH_BUDGET_S for the JAX part: the chain-verify variants (kda_chain_verify
+options, most promising first, each checked against the reference and timed at T = 1, 6, 16) until
+60% of the budget; the commit and the default prefill; then, while the budget lasts, the XLA
+references, the rest of the chain variants and more prefill tiles. Ends with a table of the variants.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -24,7 +30,7 @@ P = H * D
 R = 4 if SMALL else 64  # rotating input sets per graph
 TS = (1, 6, 16)
 PREFILL_T = 96 if SMALL else 8192
-BUDGET_S = float(os.environ.get("KDA_BENCH_BUDGET_S", 200))  # JAX part: optional sweeps stop after this
+BUDGET_S = float(os.environ.get("KDA_BENCH_BUDGET_S", 200))  # seconds for the JAX part: optional configs stop
 
 
 # ---------------------------------------------------------------- fla (PyTorch) child process
@@ -118,6 +124,7 @@ def _import_kernels_only():
 
 
 def jax_main(out_path):
+    start = time.perf_counter()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     _import_kernels_only()
     import jax
@@ -146,8 +153,8 @@ def jax_main(out_path):
             times.append((time.perf_counter() - t0) * 1e6 / calls)
         return statistics.median(times)
 
-    # bandwidth: a 2 GiB bf16 copy (read + write), in-graph
-    x = jnp.ones((1 << 30,), bf16) * 1.5
+    # bandwidth: a 2 GiB (SMALL: 2 MiB) bf16 copy (read + write), in-graph
+    x = jnp.ones((1 << (20 if SMALL else 30),), bf16) * 1.5
 
     @jax.jit
     def copy_loop(x, scale):  # scale is a runtime 1.0: XLA cannot fold the pass away
@@ -189,54 +196,74 @@ def jax_main(out_path):
     def split(xs):  # rotate over distinct buffers, not slices of one (a slice would be copied)
         return tuple([a[r] for r in range(R)] for a in xs)
 
+    def chain_args(xs, r):  # kda_chain_verify's positional arguments from rotation set r
+        return (*(a[r] for a in xs[:4]), conv_w, a_log, dt_bias, xs[4][r])
+
     def add_row(name, us, floor_us, **extra):
         row = dict(name=name, us=us, floor_us=floor_us, ratio=us / floor_us, **extra)
         results["rows"].append(row)
         print(f"{name:48s} {us:9.2f} us  floor {floor_us:7.2f} us  x{us / floor_us:5.2f}  {extra}", flush=True)
+        return row
 
-    # ---- correctness on the GPU
-    for t in TS:
-        xs = chain_inputs(jax.random.key(t), t)
-        args = (xs[0][0], xs[1][0], xs[2][0], xs[3][0], conv_w, a_log, dt_bias, xs[4][0])
-        ref = jax.jit(lambda *a: kda.kda_chain(*a, **cfg))
-        with jax.default_matmul_precision("highest"):
-            o_ref, st_ref = ref(*args)
-        for bv in (4, 16, 128):
-            o, st = kda_chain_verify(*args, **cfg, block_v=bv)
-            print(f"check chain T={t} BV={bv}: o {rel(o, o_ref):.2e} staged {rel(st, st_ref):.2e}", flush=True)
-            results.setdefault("checks", {})[f"chain_T{t}_BV{bv}"] = max(rel(o, o_ref), rel(st, st_ref))
-        wins = kda.conv_windows(args[3], args[0])
-        for n in (0, t - 1):
-            s, w = kda_commit(st_ref, wins, jnp.int32(n))
-            ok = bool((s == st_ref[n]).all() and (w == wins[n]).all())
-            print(f"check commit T={t} n={n}: {'exact' if ok else 'MISMATCH'}", flush=True)
-            results["checks"][f"commit_T{t}_n{n}"] = ok
+    longest = [0.0]  # the longest optional task so far: one more must still fit in the budget
 
-    start = time.perf_counter()
-    best = {}
+    def spent(share=1.0):  # this share of the budget is spent, or would be by one more task
+        return time.perf_counter() - start + longest[0] > share * BUDGET_S
+
+    def run_timed(task, *args):
+        t0 = time.perf_counter()
+        task(*args)
+        longest[0] = max(longest[0], time.perf_counter() - t0)
+
+    # ---- chain-verify: variants checked against the reference, then timed; most promising first
     xs_t = {t: split(chain_inputs(jax.random.key(100 + t), t)) for t in TS}
+    with jax.default_matmul_precision("highest"):
+        refs = {t: jax.jit(lambda *a: kda.kda_chain(*a, **cfg))(*chain_args(xs_t[t], 0)) for t in TS}
+    chain = {}  # (variant label, T) -> row
 
-    def time_chain(t, bv, warps):
+    def time_chain(label, opts, t):
         try:
-            fn = lambda *a: kda_chain_verify(*a, **cfg, block_v=bv, num_warps=warps)
+            fn = lambda *a: kda_chain_verify(*a, **cfg, **opts)
             t0 = time.perf_counter()
+            o, st = fn(*chain_args(xs_t[t], 0))
+            err = max(rel(o, refs[t][0]), rel(st, refs[t][1]))
             us = median_time(chain_loop(fn, 8), (xs_t[t],), 8 * R)
-            add_row(f"chain T={t} BV={bv} warps={warps}", us, chain_floor(t), T=t, BV=bv, warps=warps,
-                    build_s=round(time.perf_counter() - t0, 1))
-            if us < best.get(t, (1e9,))[0]:
-                best[t] = (us, bv, warps)
+            chain[label, t] = add_row(f"chain T={t} {label}", us, chain_floor(t), T=t, variant=label, err=err,
+                                      build_s=round(time.perf_counter() - t0, 1), **opts)
         except Exception as e:
-            print(f"chain T={t} BV={bv} warps={warps} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            print(f"chain T={t} {label} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
-    # ---- chain-verify: core configs, the XLA reference, commit
+    hp = dict(hoist_loads=True, parallel_read=True)
+    variants = [  # (label, kda_chain_verify options, the T to time); the first is the version measured 2026-11-29.
+        # Behind the tiling choices: register use and spills of each variant at T = 16 from an sm_90 compile
+        ("first BV16 w4", dict(block_v=16, num_warps=4), TS),
+        ("hoist+par BV16 w4", dict(block_v=16, num_warps=4, **hp), TS),  # 232 regs at T = 16, no spills
+        ("hoist BV16 w4", dict(block_v=16, num_warps=4, hoist_loads=True), TS),
+        ("hoist+par BV8 w2", dict(block_v=8, num_warps=2, **hp), TS),  # 254 regs, no spills
+        ("hoist+par BV32 w4", dict(block_v=32, num_warps=4, **hp), TS),  # 254 regs, no spills
+        ("hoist+par BV8 w4", dict(block_v=8, num_warps=4, **hp), TS),  # 200 regs, but 512 programs
+        ("par BV16 w4", dict(block_v=16, num_warps=4, parallel_read=True), TS),
+        ("hoist+par BV16 w2", dict(block_v=16, num_warps=2, **hp), TS),  # spills at T = 16
+        ("hoist+par BV16 w4 x2 tiles", dict(block_v=16, num_warps=4, tiles_per_program=2, **hp), TS),  # spills at 16
+        ("hoist+par BV16 w1", dict(block_v=16, num_warps=1, **hp), (1, 6)),  # no cross-warp step; spills at 16
+        ("hoist+par BV8 w1", dict(block_v=8, num_warps=1, **hp), (1, 6)),
+        ("hoist+par BV64 w4", dict(block_v=64, num_warps=4, **hp), TS),
+        ("hoist+par BV32 w4 x4 tiles (1 program/head)", dict(block_v=32, num_warps=4, tiles_per_program=4, **hp),
+         (1,)),  # spills from T = 6
+        ("hoist+par BV32 w8", dict(block_v=32, num_warps=8, **hp), (1, 6)),  # spills at 16
+    ]
+    sweep = [(label, opts, t) for label, opts, ts in variants for t in ts]
+    while sweep and not spent(0.6):  # then the other kernels get their turn; the rest of the sweep follows
+        run_timed(time_chain, *sweep.pop(0))
+
+    # ---- commit
     for t in TS:
-        for bv, warps in ((8, 4), (16, 4)):
-            time_chain(t, bv, warps)
-        if t != 6 and time.perf_counter() - start > BUDGET_S / 2:
-            continue
-        fn = lambda *a: kda.kda_chain(*a, **cfg)
-        add_row(f"xla kda_chain T={t}", median_time(chain_loop(fn, 1), (xs_t[t],), R, reps=5), chain_floor(t), T=t)
-
+        wins = kda.conv_windows(xs_t[t][3][0], xs_t[t][0][0])
+        for n in (0, t - 1):
+            s, w = kda_commit(refs[t][1], wins, jnp.int32(n))
+            ok = bool((s == refs[t][1][n]).all() and (w == wins[n]).all())
+            print(f"check commit T={t} n={n}: {'exact' if ok else 'MISMATCH'}", flush=True)
+            results.setdefault("checks", {})[f"commit_T{t}_n{n}"] = ok
     t = 6
     staged = [jax.random.normal(jax.random.key(r), (t, H, D, D), f32) for r in range(R)]
     wins = [jax.random.normal(jax.random.key(1000 + r), (t, W - 1, 3 * P), bf16) for r in range(R)]
@@ -277,44 +304,67 @@ def jax_main(out_path):
         except Exception as e:
             print(f"prefill BT={bt} BV={bv} warps={warps} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
-    for cfg_p in ((32, 32, 4, 2), (16, 32, 4, 2), (32, 32, 4, 2, "tf32"), (32, 32, 4, 2, "ieee")):
-        time_prefill(*cfg_p)
-    try:
-        fn = jax.jit(kda.kda_chunked)
-        add_row(f"xla kda_chunked T={tp}", median_time(fn, pargs, 1, reps=3), pfloor)
-    except Exception as e:
-        print(f"xla kda_chunked failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    time_prefill(16, 32, 4, 2)  # the default
 
-    # ---- optional sweeps while the budget lasts (BV sweep at T=6 first, like the write-up's)
-    sweep = [(6, bv, 4) for bv in (4, 32, 64, 128)] + [(6, bv, w) for bv in (4, 8, 16) for w in (1, 2)]
-    sweep += [(t, bv, w) for t in (1, 16) for bv, w in ((4, 4), (32, 4), (4, 2), (8, 2), (16, 2))]
-    psweep = [(32, 64, 4, 2), (32, 16, 4, 2), (32, 32, 8, 2), (32, 32, 4, 1), (16, 64, 4, 2), (16, 16, 4, 2)]
-    while sweep or psweep:
-        if time.perf_counter() - start > BUDGET_S:
-            print(f"budget of {BUDGET_S:.0f} s spent: skipped {len(sweep)} chain and {len(psweep)} prefill configs")
+    # ---- optional while the budget lasts: XLA references, the rest of the chain sweep, more prefill tiles
+    def xla_chain(t):
+        fn = lambda *a: kda.kda_chain(*a, **cfg)
+        us = median_time(chain_loop(fn, 1), (xs_t[t],), R, reps=5)
+        chain["xla kda_chain", t] = add_row(f"xla kda_chain T={t}", us, chain_floor(t), T=t)
+
+    def xla_prefill():
+        add_row(f"xla kda_chunked T={tp}", median_time(jax.jit(kda.kda_chunked), pargs, 1, reps=3), pfloor)
+
+    optional = [functools.partial(xla_chain, 6)] + [functools.partial(time_chain, *c) for c in sweep]
+    optional += [functools.partial(time_prefill, *c) for c in ((32, 32, 4, 2, "tf32"), (32, 32, 4, 2), (32, 64, 4, 2),
+                                                              (16, 16, 4, 2), (16, 64, 4, 2))]
+    optional += [functools.partial(xla_chain, 1), functools.partial(xla_chain, 16), xla_prefill]
+    for i, task in enumerate(optional):
+        if spent():
+            print(f"budget of {BUDGET_S:.0f} s spent: skipped {len(optional) - i} optional configs", flush=True)
             break
-        if sweep:
-            time_chain(*sweep.pop(0))
-        if psweep and len(sweep) % 3 == 0:
-            time_prefill(*psweep.pop(0))
-    results["best_chain"] = {str(t): dict(us=u, BV=bv, warps=w) for t, (u, bv, w) in best.items()}
+        try:
+            run_timed(task)
+        except Exception as e:
+            print(f"optional config failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+    results["chain"] = {f"{label} T={t}": row for (label, t), row in chain.items()}
+    results["chain_table"] = chain_table(chain, [label for label, _, _ in variants] + ["xla kda_chain"])
     if out_path:
         with open(out_path, "w") as fh:
             json.dump(results, fh, indent=1)
     return results
 
 
+def chain_table(chain, labels):
+    """Markdown: one line per chain variant, µs (x floor) at each T; the fastest per T in bold."""
+    best = {t: min((row["us"] for (_, tt), row in chain.items() if tt == t), default=None) for t in TS}
+    lines = ["| variant | " + " | ".join(f"T={t} µs (x floor)" for t in TS) + " | max rel. err |",
+             "|---" * (len(TS) + 2) + "|"]
+    for label in labels:
+        rows = [chain.get((label, t)) for t in TS]
+        if not any(rows):
+            continue
+        cells = []
+        for t, row in zip(TS, rows):
+            cell = "—" if row is None else f"{row['us']:.2f} (x{row['ratio']:.1f})"
+            cells.append(f"**{cell}**" if row is not None and row["us"] == best[t] else cell)
+        errs = [row["err"] for row in rows if row is not None and "err" in row]
+        lines.append(f"| {label} | " + " | ".join(cells) + (f" | {max(errs):.1e} |" if errs else " | — |"))
+    return "\n".join(lines)
+
+
 def summary(res, fla):
     bw = res["bandwidth_GBps"] * 1e9
-    lines = [f"floors at the measured bf16 copy bandwidth {bw / 1e12:.2f} TB/s"]
+    lines = [f"floors at the measured bf16 copy bandwidth {bw / 1e12:.2f} TB/s", "", res["chain_table"], ""]
     for t in TS:
-        b = res["best_chain"].get(str(t))
+        rows = [r for r in res["chain"].values() if r["T"] == t and "variant" in r]
         ref = fla.get(f"fused_recurrent_T{t}")
         ffloor = (H * D * D * 4 * 2 + t * 3 * P * 2 + t * P * 4 + t * H * 2 + t * P * 2) / bw * 1e6
         fla_s = ref if not isinstance(ref, float) else f"{ref:.2f} us (its floor {ffloor:.2f}, x{ref / ffloor:.2f})"
-        if b:
-            lines.append(f"T={t}: pallas chain best {b['us']:.2f} us (BV={b['BV']}, warps={b['warps']}); "
-                         f"fla fused_recurrent {fla_s}")
+        if rows:
+            b = min(rows, key=lambda r: r["us"])
+            lines.append(f"T={t}: pallas chain best {b['us']:.2f} us ({b['variant']}); fla fused_recurrent {fla_s}")
     for key in ("chunk_kda_T8192", "chunk_kda_safe_T8192"):
         lines.append(f"fla {key}: {fla.get(key)}")
     return "\n".join(lines)

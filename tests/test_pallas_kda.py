@@ -29,48 +29,79 @@ def _chain_inputs(seed, t, h, d, dtype, w=4):
             jax.random.normal(ks[7], (h, d, d)))  # state
 
 
-def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8):
+# kda_chain_verify options: the first measured version ({}), each new option alone, and the candidate path
+HOISTED_PARALLEL = dict(hoist_loads=True, parallel_read=True)
+CHAIN_OPTS = {"first": {}, "hoisted": dict(hoist_loads=True), "parallel": dict(parallel_read=True),
+              "hoisted-parallel": HOISTED_PARALLEL}
+
+
+def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, **opts):
     args = _chain_inputs(seed, t, h, d, dtype)
     cfg = dict(num_heads=h, safe_gate=safe, lower_bound=-5.0)
-    o, staged = kda_chain_verify(*args, **cfg, block_v=block_v)
+    o, staged = kda_chain_verify(*args, **cfg, block_v=block_v, **opts)
     o_ref, staged_ref = kda.kda_chain(*args, **cfg)
     assert o.shape == (t, h, d) and staged.shape == (t, h, d, d)
     # interpret mode fills outputs with NaN before the kernel runs: rel_err fails on any unwritten element
     assert rel_err(o, o_ref) <= TOL[dtype]
     assert rel_err(staged, staged_ref) <= TOL[dtype]
-    return args, staged
+    return args, o, staged
 
 
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
 @pytest.mark.parametrize("t", range(1, 17))
-def test_chain_verify_every_t(t):
+def test_chain_verify_every_t(t, opts):
     for seed in range(2):
-        _check_chain(t, 3, 16, jnp.float32, seed)
+        _check_chain(t, 3, 16, jnp.float32, seed, **CHAIN_OPTS[opts])
 
 
+@pytest.mark.parametrize("opts", list(CHAIN_OPTS))
 @pytest.mark.parametrize("t", [2, 16])
-def test_chain_verify_bf16_inputs(t):
+def test_chain_verify_bf16_inputs(t, opts):
     for seed in range(2):
-        _check_chain(t, 3, 16, jnp.bfloat16, seed)
+        _check_chain(t, 3, 16, jnp.bfloat16, seed, **CHAIN_OPTS[opts])
 
 
-def test_chain_verify_tiles_and_gate_forms():
+@pytest.mark.parametrize("opts", list(CHAIN_OPTS))
+@pytest.mark.parametrize("t,h", [(1, 5), (6, 3), (11, 1)])
+def test_chain_verify_options(t, h, opts):
+    """Each option alone and combined, odd head counts, both gate forms."""
+    _check_chain(t, h, 32, jnp.float32, 3, **CHAIN_OPTS[opts])
+    _check_chain(t, h, 32, jnp.float32, 4, safe=False, **CHAIN_OPTS[opts])
+
+
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
+def test_chain_verify_tiles_and_gate_forms(opts):
     """BV tiling (down to 4 columns) does not change results; the non-safe gate is fused too."""
-    args, staged = _check_chain(3, 1, 32, jnp.float32, 7, block_v=4)
-    _, staged_wide = kda_chain_verify(*args, num_heads=1, safe_gate=True, lower_bound=-5.0, block_v=32)
+    opts = CHAIN_OPTS[opts]
+    args, _, staged = _check_chain(3, 1, 32, jnp.float32, 7, block_v=4, **opts)
+    _, staged_wide = kda_chain_verify(*args, num_heads=1, safe_gate=True, lower_bound=-5.0, block_v=32, **opts)
     assert rel_err(staged, staged_wide) <= 1e-6
-    _check_chain(3, 1, 32, jnp.float32, 8, safe=False, block_v=4)
+    _check_chain(3, 1, 32, jnp.float32, 8, safe=False, block_v=4, **opts)
 
 
-def test_chain_verify_head_dim_128():
-    _check_chain(4, 1, 128, jnp.float32, 0, block_v=64)
+@pytest.mark.parametrize("tiles", [2, 4])  # 4 x BV 8 = V: one program per head
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
+def test_chain_verify_tiles_per_program(tiles, opts):
+    """Several V tiles per program (prologue once per program) give the one-tile results."""
+    for t, h, dtype in ((1, 3, jnp.float32), (7, 5, jnp.float32), (16, 3, jnp.bfloat16)):
+        args, o, staged = _check_chain(t, h, 32, dtype, 9, tiles_per_program=tiles, **CHAIN_OPTS[opts])
+        o1, staged1 = kda_chain_verify(*args, num_heads=h, safe_gate=True, lower_bound=-5.0, block_v=8,
+                                       **CHAIN_OPTS[opts])
+        assert rel_err(o, o1) <= 1e-6 and rel_err(staged, staged1) <= 1e-6
 
 
-def test_chain_verify_rows_equal_sequential_decode():
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
+def test_chain_verify_head_dim_128(opts):
+    _check_chain(4, 1, 128, jnp.float32, 0, block_v=64, **CHAIN_OPTS[opts])
+
+
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
+def test_chain_verify_rows_equal_sequential_decode(opts):
     """Verify row r's staged state = r+1 decode steps (T=1 calls) with the window carried along."""
     t, h, d = 5, 3, 16
     args = _chain_inputs(11, t, h, d, jnp.float32)
     qkv, f, b, window, conv_w, a_log, dt_bias, state = args
-    cfg = dict(num_heads=h, safe_gate=True, lower_bound=-5.0)
+    cfg = dict(num_heads=h, safe_gate=True, lower_bound=-5.0, **CHAIN_OPTS[opts])
     o, staged = kda_chain_verify(*args, **cfg)
     s, win = state, window
     for r in range(t):

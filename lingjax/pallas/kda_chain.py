@@ -1,10 +1,26 @@
 """Fused KDA chain-verify (and decode, T=1) in Pallas, plus the on-device commit.
 
-One program per (head, V tile of BV columns). Each program reads the committed state tile
-[K, BV] once, recomputes the short conv + SiLU, the l2norms, the safe gate and beta for its head
-(cheap, V-independent, so duplicated per tile), runs the gated delta rule over the T <= 16 new
-rows and writes the state after every row to `staged` and the output row to `o`. Every
-K-reduction is over the whole K axis of one tile, so results do not depend on BV.
+One program per (head, group of `tiles_per_program` V tiles of BV columns). Each program reads its
+committed state tiles [K, BV] once, recomputes the short conv + SiLU, the l2norms, the safe gate and
+beta for its head (cheap, V-independent, so duplicated per program), runs the gated delta rule over
+the T <= 16 new rows and writes the state after every row to `staged` and the output row to `o`.
+Every K-reduction is over the whole K axis of one tile, so results do not depend on BV.
+
+Each program is a serial chain (T rows, a few cross-warp reductions each) and, at H = 32 and
+BV = 16, all programs are resident at once, so the time is one program's latency. Options of
+kda_chain_verify that shorten that chain (defaults = the version measured on 2026-11-29):
+- hoist_loads: issue every global read (state tiles, the T rows of qkv/f/b, window, conv weights)
+  before the first reduction, and derive the per-row gate, beta and q.k before the row chain.
+  Otherwise each row's f/b loads sit behind the previous row's reductions (an sm_90 compile of the
+  first version has LDGs between each row's bar.syncs), so every row paid a DRAM round trip:
+  the measured 1.6-2.6 us per extra row.
+- parallel_read: with S' = diag(exp g_t) S_{t-1}, take u = S'^T k and w = S'^T q as two independent
+  reductions of S', then delta = beta (v - u), o_t = w + (q.k) delta, S_t = S' + k delta^T. The
+  read no longer waits for the write: one reduction per row leaves the serial chain (rounding
+  differs from the reference's order in the last bits).
+- tiles_per_program: V tiles per program, their independent chains interleaved row by row; the
+  head's prologue (conv, norms, gate) is computed once per program instead of once per tile, and
+  tiles_per_program = V / BV gives one program per head (more registers: spills at large T).
 
 Reference: lingjax.ops.kda.kda_chain (math in ling3_architecture.md §3).
 """
@@ -18,28 +34,47 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.ops import kda as kda_ops
 from lingjax.pallas import resolve_interpret
 
 MAX_T = 16
 
 
-
 def _chain_kernel(qkv_ref, f_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
                   o_ref, st_ref,  # outputs
-                  *, t_len, num_heads, dim, block_v, safe_gate, lower_bound):
+                  *, t_len, num_heads, dim, block_v, tiles, safe_gate, lower_bound, hoist_loads,
+                  parallel_read):
     # qkv_ref [T, 3P]; f_ref [T, P]; b_ref [T, H]; win_ref [W-1, 3P]; convw_ref [3P, W] f32;
     # alog_ref [H]; dtb_ref [P]; s_ref [H, K, V] f32 -> o_ref [T, H, V] f32; st_ref [T, H, K, V] f32
     h, j = pl.program_id(0), pl.program_id(1)
     p = num_heads * dim
     width = convw_ref.shape[1]
     f32 = jnp.float32
-    v0 = j * block_v
+    col0 = [(j * tiles + i) * block_v for i in range(tiles)]  # first V column of each tile
 
-    def conv_silu(c0, n):  # rows t of SiLU(conv) for channels [c0, c0+n): list of T vectors [n]
-        w = [convw_ref[pl.ds(c0, n), i] for i in range(width)]  # W x [n] f32
-        src = [win_ref[r, pl.ds(c0, n)].astype(f32) for r in range(width - 1)]
-        src += [qkv_ref[t, pl.ds(c0, n)].astype(f32) for t in range(t_len)]  # [W-1+T] x [n]
+    def early(fn):  # fn's result: computed here when hoisting, else once, where it is first used
+        if hoist_loads:
+            x = fn()
+            return lambda: x
+        return functools.cache(fn)
+
+    # ---- reads (issued here, in this order, when hoisting)
+    s_in = [early(lambda c=c: s_ref[h, :, pl.ds(c, block_v)]) for c in col0]  # tiles x [K, BV]
+
+    def channels(c0, n):  # conv weights W x [n] f32 and the W-1+T pre-conv input rows [n] of channels [c0, c0+n)
+        return (early(lambda: [convw_ref[pl.ds(c0, n), i] for i in range(width)]),
+                [early(lambda r=r: win_ref[r, pl.ds(c0, n)]) for r in range(width - 1)]
+                + [early(lambda t=t: qkv_ref[t, pl.ds(c0, n)]) for t in range(t_len)])
+
+    q_in, k_in = channels(h * dim, dim), channels(p + h * dim, dim)
+    v_in = [channels(2 * p + h * dim + c, block_v) for c in col0]
+    f_in = [early(lambda t=t: f_ref[t, pl.ds(h * dim, dim)]) for t in range(t_len)]  # T x [K]
+    b_in = [early(lambda t=t: b_ref[t, h]) for t in range(t_len)]
+    alog_in, dtb_in = early(lambda: alog_ref[h]), early(lambda: dtb_ref[pl.ds(h * dim, dim)])
+
+    # ---- prologue: everything that does not depend on the state
+    def conv_silu(chan):  # rows t of SiLU(conv): T x [n]
+        w_in, src_in = chan
+        w, src = w_in(), [x().astype(f32) for x in src_in]
         rows = []
         for t in range(t_len):
             acc = w[0] * src[t]
@@ -51,44 +86,63 @@ def _chain_kernel(qkv_ref, f_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, 
     def l2norm(x):  # eps inside the sqrt, as lingjax.ops.norms.l2norm
         return x / jnp.sqrt(jnp.sum(x * x) + 1e-6)
 
-    qs = [l2norm(x) * dim**-0.5 for x in conv_silu(h * dim, dim)]  # T x [K]
-    ks = [l2norm(x) for x in conv_silu(p + h * dim, dim)]  # T x [K]
-    vs = conv_silu(2 * p + h * dim + v0, block_v)  # T x [BV]
+    qs = [l2norm(x) * dim**-0.5 for x in conv_silu(q_in)]  # T x [K]
+    ks = [l2norm(x) for x in conv_silu(k_in)]  # T x [K]
+    vs = [conv_silu(c) for c in v_in]  # tiles x T x [BV]
+    rate = early(lambda: jnp.exp(alog_in().astype(f32)))
+    dtb = early(lambda: dtb_in().astype(f32))
 
-    rate = jnp.exp(alog_ref[h].astype(f32))
-    dtb = dtb_ref[pl.ds(h * dim, dim)].astype(f32)
-    s = s_ref[h, :, pl.ds(v0, block_v)]  # [K, BV] the committed state, read once
-    for t in range(t_len):
-        x = f_ref[t, pl.ds(h * dim, dim)].astype(f32) + dtb
+    def row_inputs(t):  # decay exp(g_t) [K], k_t [K], q_t [K], beta_t, q_t.k_t
+        x = f_in[t]().astype(f32) + dtb()
         if safe_gate:
-            g = lower_bound * jax.nn.sigmoid(rate * x)
+            g = lower_bound * jax.nn.sigmoid(rate() * x)
         else:
-            g = -rate * jax.nn.softplus(x)
-        beta = jax.nn.sigmoid(b_ref[t, h].astype(f32))  # the only sigmoid on beta
-        k = ks[t][:, None]
-        s = s * jnp.exp(g)[:, None]  # decay rows
-        u = jnp.sum(s * k, axis=0)  # [BV] predict
-        s = s + k * (beta * (vs[t] - u))[None, :]  # delta write
-        st_ref[t, h, :, pl.ds(v0, block_v)] = s
-        o_ref[t, h, pl.ds(v0, block_v)] = jnp.sum(s * qs[t][:, None], axis=0)  # read the updated state
+            g = -rate() * jax.nn.softplus(x)
+        beta = jax.nn.sigmoid(b_in[t]().astype(f32))  # the only sigmoid on beta
+        qk = jnp.sum(qs[t] * ks[t]) if parallel_read else None
+        return jnp.exp(g), ks[t], qs[t], beta, qk
+
+    rows = [early(functools.partial(row_inputs, t)) for t in range(t_len)]
+
+    # ---- the chain: T rows, the tiles' independent chains interleaved
+    s = [x() for x in s_in]
+    for t in range(t_len):
+        decay, k, q, beta, qk = rows[t]()
+        # [:, None] here, not in row_inputs: T rows x 3 vectors broadcast into the tile's layout ahead
+        # of the chain spill registers at T = 16; the compact 1-D vectors do not
+        k, decay = k[:, None], decay[:, None]
+        for i, c in enumerate(col0):
+            sd = s[i] * decay  # decay rows
+            u = jnp.sum(sd * k, axis=0)  # [BV] predict
+            if parallel_read:
+                w = jnp.sum(sd * q[:, None], axis=0)  # [BV] read of the decayed state, beside the predict
+            delta = beta * (vs[i][t] - u)
+            s[i] = sd + k * delta[None, :]  # delta write
+            st_ref[t, h, :, pl.ds(c, block_v)] = s[i]
+            o_ref[t, h, pl.ds(c, block_v)] = w + qk * delta if parallel_read else jnp.sum(s[i] * q[:, None], axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "safe_gate", "lower_bound", "block_v",
-                                             "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "safe_gate", "lower_bound", "block_v", "num_warps",
+                                             "hoist_loads", "parallel_read", "tiles_per_program", "interpret"))
 def kda_chain_verify(qkv, f, b, window, conv_w, a_log, dt_bias, state, *, num_heads, safe_gate, lower_bound,
-                     block_v: int = 16, num_warps: int = 4, interpret=None):
-    """Same arguments and results as lingjax.ops.kda.kda_chain: (o [T, H, V] f32, staged [T, H, K, V] f32)."""
+                     block_v: int = 16, num_warps: int = 4, hoist_loads: bool = False,
+                     parallel_read: bool = False, tiles_per_program: int = 1, interpret=None):
+    """Same arguments and results as lingjax.ops.kda.kda_chain: (o [T, H, V] f32, staged [T, H, K, V] f32).
+    block_v: V columns per tile; tiles_per_program (clamped to V / block_v), hoist_loads, parallel_read:
+    see the module docstring."""
     t_len = qkv.shape[0]
     h, dk, dv = state.shape
     assert 1 <= t_len <= MAX_T, f"chain-verify takes 1..{MAX_T} rows, got {t_len}"
     assert h == num_heads and dk == dv and qkv.shape[1] == 3 * h * dk, (qkv.shape, state.shape)
     block_v = min(block_v, dv)
-    assert dv % block_v == 0
-    kernel = functools.partial(_chain_kernel, t_len=t_len, num_heads=h, dim=dk, block_v=block_v,
-                               safe_gate=safe_gate, lower_bound=lower_bound)
+    tiles = min(tiles_per_program, dv // block_v)
+    assert dv % (block_v * tiles) == 0, (dv, block_v, tiles)
+    kernel = functools.partial(_chain_kernel, t_len=t_len, num_heads=h, dim=dk, block_v=block_v, tiles=tiles,
+                               safe_gate=safe_gate, lower_bound=lower_bound, hoist_loads=hoist_loads,
+                               parallel_read=parallel_read)
     return pl.pallas_call(
         kernel,
-        grid=(h, dv // block_v),
+        grid=(h, dv // (block_v * tiles)),
         out_shape=(jax.ShapeDtypeStruct((t_len, h, dv), jnp.float32),
                    jax.ShapeDtypeStruct((t_len, h, dk, dv), jnp.float32)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -137,48 +191,3 @@ def kda_commit_reference(staged, windows, n):
     """The same commit as two XLA dynamic slices."""
     return (jax.lax.dynamic_index_in_dim(staged, n, keepdims=False),
             jax.lax.dynamic_index_in_dim(windows, n, keepdims=False))
-
-
-if __name__ == "__main__":  # GPU: sweep BV x warps, check each against the reference, print µs and % of floor
-    import statistics
-    import time
-
-    H, D, R, BW = 32, 128, 64, 4.3e12  # heads, head dim, rotating input sets, bytes/s for the floor
-    cfg = dict(num_heads=H, safe_gate=True, lower_bound=-5.0)
-    keys = jax.random.split(jax.random.key(0), 3)
-    conv_w = 0.5 * jax.random.normal(keys[0], (3 * H * D, 4))
-    a_log = jnp.log(jax.random.uniform(keys[1], (H,), minval=1, maxval=16))
-    dt_bias = jax.random.normal(keys[2], (H * D,))
-    for t in (1, 6, 16):
-        xs = [[jax.random.normal(jax.random.key(100 * r + i), shape, dt) for r in range(R)]
-              for i, (shape, dt) in enumerate((((t, 3 * H * D), jnp.bfloat16), ((t, H * D), jnp.bfloat16),
-                                               ((t, H), jnp.bfloat16), ((3, 3 * H * D), jnp.bfloat16),
-                                               ((H, D, D), jnp.float32)))]
-        args0 = [a[0] for a in xs[:4]] + [conv_w, a_log, dt_bias, xs[4][0]]
-        with jax.default_matmul_precision("highest"):
-            o_ref, st_ref = jax.jit(lambda *a: kda_ops.kda_chain(*a, **cfg))(*args0)
-        floor = (H * D * D * 4 * (1 + t) + t * H * D * 4 + t * 5 * H * D * 2 + 3 * 3 * H * D * 2) / BW * 1e6
-        for bv in (4, 8, 16, 32, 64, 128):
-            for warps in (2, 4):
-                fn = functools.partial(kda_chain_verify, **cfg, block_v=bv, num_warps=warps)
-                o, st = fn(*args0)
-                err = max(float(jnp.abs(o - o_ref).max() / jnp.abs(o_ref).max()),
-                          float(jnp.abs(st - st_ref).max() / jnp.abs(st_ref).max()))
-
-                @jax.jit
-                def loop(xs, fn=fn):
-                    def body(i, carry):
-                        al = a_log + i.astype(jnp.float32) * 0.0
-                        return tuple(fn(*(a[r] for a in xs[:4]), conv_w, al, dt_bias, xs[4][r]) for r in range(R))
-                    init = tuple((jnp.zeros_like(o), jnp.zeros_like(st)) for _ in range(R))
-                    return jax.lax.fori_loop(0, 4, body, init)
-
-                jax.block_until_ready(loop(xs))
-                times = []
-                for _ in range(10):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(loop(xs))
-                    times.append((time.perf_counter() - t0) * 1e6 / (4 * R))
-                us = statistics.median(times)
-                print(f"T={t:2d} BV={bv:3d} warps={warps}: {us:7.2f} us, {100 * floor / us:5.1f}% of the "
-                      f"{floor:.2f} us floor at {BW / 1e12} TB/s, rel err {err:.1e}")
