@@ -8,7 +8,8 @@ Every K-reduction is over the whole K axis of one tile, so results do not depend
 
 Each program is a serial chain (T rows, a few cross-warp reductions each) and, at H = 32 and
 BV = 16, all programs are resident at once, so the time is one program's latency. Options of
-kda_chain_verify that shorten that chain (defaults = the version measured on 2026-11-29):
+kda_chain_verify that shorten that chain (hoist_loads and parallel_read are on by default: on an H200,
+bench/results/kda_h200_2026-11-29.md, they took T = 1/6/16 from 9.3/17.1/47.5 µs to 7.5/13.2/45.8):
 - hoist_loads: issue every global read (state tiles, the T rows of qkv/f/b, window, conv weights)
   before the first reduction, and derive the per-row gate, beta and q.k before the row chain.
   Otherwise each row's f/b loads sit behind the previous row's reductions (an sm_90 compile of the
@@ -125,8 +126,8 @@ def _chain_kernel(qkv_ref, f_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, 
 @functools.partial(jax.jit, static_argnames=("num_heads", "safe_gate", "lower_bound", "block_v", "num_warps",
                                              "hoist_loads", "parallel_read", "tiles_per_program", "interpret"))
 def kda_chain_verify(qkv, f, b, window, conv_w, a_log, dt_bias, state, *, num_heads, safe_gate, lower_bound,
-                     block_v: int = 16, num_warps: int = 4, hoist_loads: bool = False,
-                     parallel_read: bool = False, tiles_per_program: int = 1, interpret=None):
+                     block_v: int = 16, num_warps: int = 4, hoist_loads: bool = True,
+                     parallel_read: bool = True, tiles_per_program: int = 1, interpret=None):
     """Same arguments and results as lingjax.ops.kda.kda_chain: (o [T, H, V] f32, staged [T, H, K, V] f32).
     block_v: V columns per tile; tiles_per_program (clamped to V / block_v), hoist_loads, parallel_read:
     see the module docstring."""
