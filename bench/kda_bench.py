@@ -279,7 +279,7 @@ def jax_main(out_path):
             print(f"prefill {label} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
     # Core: the default (C=64, fused output, tf32x3), the unfused output pass, C=32, and plain tf32.
-    for kw_p in ({}, dict(fuse_output=False), dict(chunk=32, block_k=32), dict(precision="tf32")):
+    for kw_p in ({}, dict(fuse_output=False), dict(chunk=32, block_k=32, block_v=16), dict(precision="tf32")):
         time_prefill(**kw_p)
     try:  # phase 1 alone (both intra-chunk kernels, default tiles): the rest of the default row is phase 2
         fn = jax.jit(lambda *a: intra_chunk(*(jnp.pad(x, [(0, -tp % 64)] + [(0, 0)] * (x.ndim - 1)) for x in a[:5])))
@@ -295,9 +295,10 @@ def jax_main(out_path):
     # ---- optional sweeps while the budget lasts (BV sweep at T=6 first, like the write-up's)
     sweep = [(6, bv, 4) for bv in (4, 32, 64, 128)] + [(6, bv, w) for bv in (4, 8, 16) for w in (1, 2)]
     sweep += [(t, bv, w) for t in (1, 16) for bv, w in ((4, 4), (32, 4), (4, 2), (8, 2), (16, 2))]
-    psweep = [dict(block_v=16, num_stages=1), dict(block_v=64), dict(intra_warps=8), dict(block_k=32),
-              dict(num_warps=8), dict(num_stages=1), dict(state_block_k=128), dict(chunk=32, block_k=32, block_v=16),
-              dict(chunk=32, block_k=32, fuse_output=False), dict(block_k=32, intra_warps=8)]
+    psweep = [dict(blocks_warps=2), dict(block_v=64), dict(prepare_block_k=32), dict(block_v=16, num_stages=1),
+              dict(block_v=64, num_warps=8), dict(num_stages=1), dict(blocks_warps=4), dict(block_k=32),
+              dict(chunk=32, block_k=32, block_v=32), dict(chunk=32, block_k=32, fuse_output=False),
+              dict(state_block_k=128), dict(precision="ieee")]
     while sweep or psweep:
         if time.perf_counter() - start > BUDGET_S:
             print(f"budget of {BUDGET_S:.0f} s spent: skipped {len(sweep)} chain and {len(psweep)} prefill configs")
@@ -307,7 +308,8 @@ def jax_main(out_path):
         if psweep and len(sweep) % 3 == 0:
             time_prefill(**psweep.pop(0))
     results["best_chain"] = {str(t): dict(us=u, BV=bv, warps=w) for t, (u, bv, w) in best.items()}
-    accurate = [r for r in results["rows"] if "cfg" in r and r["err"] <= 1e-5]  # f32-accurate prefill rows
+    # f32-accurate prefill rows: the chunked form itself deviates from the recurrence by ~1e-5 at C=64
+    accurate = [r for r in results["rows"] if "cfg" in r and r["err"] <= 5e-5]
     results["best_prefill"] = min(accurate, key=lambda r: r["us"]) if accurate else None
     if out_path:
         with open(out_path, "w") as fh:
@@ -331,7 +333,7 @@ def summary(res, fla):
     bp, ref = res.get("best_prefill"), fla.get(f"chunk_kda_T{PREFILL_T}")
     if bp:
         vs = f", x{bp['us'] / ref:.2f} fla chunk_kda" if isinstance(ref, float) else ""
-        lines.append(f"pallas prefill best (rel err <= 1e-5): {bp['us']:.1f} us ({bp['cfg']}, err {bp['err']:.1e}){vs}")
+        lines.append(f"pallas prefill best (rel err <= 5e-5): {bp['us']:.1f} us ({bp['cfg']}, err {bp['err']:.1e}){vs}")
     return "\n".join(lines)
 
 
