@@ -322,10 +322,9 @@ def jax_main(out_path):
     def xla_prefill():
         add_row(f"xla kda_chunked T={tp}", median_time(jax.jit(kda.kda_chunked), pargs, 1, reps=3), pfloor)
 
-    psweep = [dict(blocks_warps=2), dict(block_v=64), dict(prepare_block_k=32), dict(block_v=16, num_stages=1),
-              dict(block_v=64, num_warps=8), dict(num_stages=1), dict(blocks_warps=4), dict(block_k=32),
-              dict(chunk=32, block_k=32, block_v=32), dict(chunk=32, block_k=32, fuse_output=False),
-              dict(state_block_k=128), dict(precision="ieee")]
+    psweep = [dict(block_v=16, num_stages=1), dict(block_v=64), dict(intra_warps=8), dict(block_k=32),
+              dict(num_warps=8), dict(num_stages=1), dict(state_block_k=128), dict(chunk=32, block_k=32, block_v=16),
+              dict(chunk=32, block_k=32, fuse_output=False), dict(block_k=32, intra_warps=8)]
     optional = [functools.partial(xla_chain, 6), phase1] + [functools.partial(time_chain, *c) for c in sweep]
     optional += [functools.partial(time_prefill, **kw) for kw in psweep]
     optional += [functools.partial(xla_chain, 1), functools.partial(xla_chain, 16), xla_prefill]

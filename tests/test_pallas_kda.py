@@ -147,7 +147,7 @@ def _recurrence_tol(chunk):
 
 # Relative to the reference's max (interpret mode computes every dot in f32). Shapes cover T below one
 # chunk, T not a multiple of the chunk (padded inside), odd head counts, one and several 16-row
-# sub-chunks per chunk, column pieces (block_k, prepare_block_k < d), state row pieces (state_block_k
+# sub-chunks per chunk, column pieces (block_k < d), state row pieces (state_block_k
 # < d), V tiles, and both output forms (fused into the state pass, or a separate pass over the states).
 @pytest.mark.parametrize("t,h,d,kw", [
     (1, 3, 16, dict(chunk=16)),
@@ -155,7 +155,7 @@ def _recurrence_tol(chunk):
     (70, 1, 32, dict(chunk=32, block_k=16, block_v=16, fuse_output=False)),
     (100, 5, 32, dict(chunk=64, block_k=16, state_block_k=16, block_v=16)),
     (64, 2, 32, dict(chunk=64, block_k=32, fuse_output=False)),
-    (33, 3, 64, dict(chunk=32, block_k=32, prepare_block_k=32, state_block_k=32, block_v=32)),
+    (33, 3, 64, dict(chunk=32, block_k=32, state_block_k=32, block_v=32)),
 ])
 def test_chunked_prefill_matches_references(t, h, d, kw):
     for seed in range(2):

@@ -6,11 +6,9 @@ Per head and chunk of C tokens with incoming state S, G_t = Σ_{i<=t} g_i (from 
   X = (I + M)^-1,  R = β k e^G,  B = β v,  W = X R,  U = X B
   V_new = U - W S,  O = (q e^G) S + A V_new = (q e^G - A W) S + A U
   S <- e^{G_C} S + (k e^{G_C-G})ᵀ V_new
-Phase 0 (`_cumsum_kernel`, grid (head, chunk)): G.
 Phase 1a (`_blocks_kernel`, grid (head, chunk)): the [C, C] matrices X and A.
-Phase 1b (`_prepare_kernel`, grid (head, chunk)): W, U, Q' = q e^G - A W, O' = A U, KDᵀ = (k e^{G_C-G})ᵀ
-  (stored transposed: the K-major operand tf32 wgmma wants) and γ = e^{G_C}, with full-chunk dots:
-  everything that does not depend on S.
+Phase 1b (`_prepare_kernel`, grid (head, chunk)): W, U, Q' = q e^G - A W, O' = A U, KD = k e^{G_C-G} and
+  γ = e^{G_C}, with full-chunk dots: everything that does not depend on S.
 Phase 2 (`_state_kernel`, grid (head, V tile)) walks the chunks in order with only S-dependent work:
   O = Q' S + O',  S <- γ S + KDᵀ (U - W S).
 With fuse_output=False phase 2 stores each chunk's incoming S instead of O, and phase 3 (`_output_kernel`,
@@ -23,15 +21,8 @@ X_ij = -X_ii Σ_m M_im X_mj. The pairwise decay e^{G_t-G_s} is factored as e^{G_
 the middle row of t's sub-chunk. For s in an earlier sub-chunk the s factor is <= 1 (G only falls); the t
 factor, and both factors in the diagonal block, are at most e^{8·max|g|}. Both must stay clear of f32's
 subnormals (e^-87, flushed to zero): a term q_t·k_s whose scaled factor underflows is lost, so the gate
-must satisfy g > -8.6 for such losses to stay below 1e-8 of the output scale. The safe gate
-(g > lower_bound = -5) keeps the factors within e^±40. (D = 32 would reach e^±80 at g = -5 and lose ~1e-4
-there: measured.) The D x D blocks are replicated across warps by Triton's mma layout, so phase 1a runs
-one warp per program (4x fewer instructions than 4 warps, same result).
-
-Rounding: like the reference kda_chunked, the kernels exponentiate differences of in-chunk prefix sums
-of g (|G| up to 5·C), so f32 rounding grows with C: against the recurrence, max relative error over 60
-random draws (interpret mode) is 3e-6 at C=16, 8e-6 at C=32, 1.8e-5 at C=64; against kda_chunked at the
-same C, ~3e-7. (Mid-sub-chunk-relative or compensated prefix sums would remove the growth.)
+must satisfy g > -8.6 for such losses to stay below 1e-8 of the output scale. The safe gate (g > lower_bound = -5)
+keeps the factors within e^±40. (D = 32 would reach e^±80 at g = -5 and lose ~1e-4: measured.)
 
 Dot precision on the GPU (`precision`, one choice for every dot): "tf32x3" (default, ~f32 accuracy: each
 dot's error reaches the output at O(1) weight, so plain tf32's 2^-11 rounding shows as ~5e-4 relative
@@ -67,18 +58,11 @@ def _dot(a, b, contract=(1, 0), *, precision):  # 2-D dot with f32 accumulation
                            precision=precision, preferred_element_type=jnp.float32)
 
 
-def _cumsum_kernel(g_ref, cg_ref, *, chunk):
-    # g_ref [T, H, K] -> cg_ref [H, T, K] f32: G, the cumulative log decay from each chunk's start
-    h, c = pl.program_id(0), pl.program_id(1)
-    t = pl.ds(c * chunk, chunk)
-    cg_ref[h, t, :] = jnp.cumsum(g_ref[t, h, :].astype(jnp.float32), axis=0)
-
-
-def _blocks_kernel(q_ref, k_ref, cg_ref, b_ref,  # inputs
+def _blocks_kernel(q_ref, k_ref, g_ref, b_ref,  # inputs
                    x_ref, a_ref,  # outputs
                    *, chunk, block_k, precision):
-    # q_ref, k_ref [T, H, K]; cg_ref [H, T, K]; b_ref [T, H] -> x_ref = (I + M)^-1, a_ref = A: [H, T, C] f32,
-    # row t of chunk c holding columns s of the same chunk (zero above the diagonal)
+    # q_ref, k_ref, g_ref [T, H, K]; b_ref [T, H] -> x_ref = (I + M)^-1, a_ref = A: [H, T, C] f32, row t of
+    # chunk c holding columns s of the same chunk (zero above the diagonal)
     h, c = pl.program_id(0), pl.program_id(1)
     sub, f32 = SUB, jnp.float32
     nb = chunk // sub
@@ -86,6 +70,9 @@ def _blocks_kernel(q_ref, k_ref, cg_ref, b_ref,  # inputs
     rows = jnp.arange(sub)[:, None]
     cols = jnp.arange(sub)[None, :]
     eye = (rows == cols).astype(f32)
+
+    def row(x, i):  # x[i] as a [1, BK] row (value slicing does not lower to Triton)
+        return jnp.sum(jnp.where(rows == i, x, 0.0), axis=0)[None, :]
 
     def block(i):  # rows of sub-chunk i
         return pl.ds(c * chunk + i * sub, sub)
@@ -97,12 +84,16 @@ def _blocks_kernel(q_ref, k_ref, cg_ref, b_ref,  # inputs
     for i in range(nb):
         def piece(kp, acc, i=i):  # acc: blocks (M_ij, A_ij), j <= i, summed over the pieces before kp
             kc = pl.ds(kp * block_k, block_k)
-            r = cg_ref[h, pl.ds(c * chunk + i * sub + sub // 2 - 1, 1), kc]  # [1, BK]
-            g_i = cg_ref[h, block(i), kc] - r  # [D, BK]
-            k_row = k_ref[block(i), h, kc].astype(f32) * jnp.exp(g_i)
-            q_row = q_ref[block(i), h, kc].astype(f32) * jnp.exp(g_i)
-            k_cols = [k_ref[block(j), h, kc].astype(f32) * jnp.exp(r - cg_ref[h, block(j), kc])
-                      for j in range(i + 1)]
+            carry = jnp.zeros((1, block_k), f32)
+            k, big_g = [], []  # sub-chunks 0..i, [D, BK]
+            for j in range(i + 1):
+                k.append(k_ref[block(j), h, kc].astype(f32))
+                big_g.append(carry + jnp.cumsum(g_ref[block(j), h, kc].astype(f32), axis=0))
+                carry = row(big_g[j], sub - 1)
+            r = row(big_g[i], sub // 2 - 1)
+            k_row = k[i] * jnp.exp(big_g[i] - r)
+            q_row = q_ref[block(i), h, kc].astype(f32) * jnp.exp(big_g[i] - r)
+            k_cols = [k[j] * jnp.exp(r - big_g[j]) for j in range(i + 1)]
             return (tuple(mm + dot(k_row, kj, (1, 1)) for mm, kj in zip(acc[0], k_cols)),
                     tuple(aa + dot(q_row, kj, (1, 1)) for aa, kj in zip(acc[1], k_cols)))
 
@@ -124,28 +115,28 @@ def _blocks_kernel(q_ref, k_ref, cg_ref, b_ref,  # inputs
                                       a[j] if j < i else jnp.zeros_like(eye))
 
 
-def _prepare_kernel(q_ref, k_ref, v_ref, cg_ref, b_ref, x_ref, a_ref,  # inputs
+def _prepare_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, x_ref, a_ref,  # inputs
                     w_ref, u_ref, qp_ref, op_ref, kd_ref, gl_ref,  # outputs
                     *, chunk, block_k, precision):
-    # q_ref, k_ref [T, H, K]; v_ref [T, H, V]; cg_ref [H, T, K]; b_ref [T, H]; x_ref, a_ref [H, T, C]
-    # -> w_ref, qp_ref [H, T, K]; kd_ref [H, K, T]; u_ref, op_ref [H, T, V]; gl_ref [H, T/C, K] (all f32)
+    # q_ref, k_ref, g_ref [T, H, K]; v_ref [T, H, V]; b_ref [T, H]; x_ref, a_ref [H, T, C]
+    # -> w_ref, qp_ref, kd_ref [H, T, K]; u_ref, op_ref [H, T, V]; gl_ref [H, T/C, K] (all f32)
     h, c = pl.program_id(0), pl.program_id(1)
     t = pl.ds(c * chunk, chunk)
     f32 = jnp.float32
     dot = functools.partial(_dot, precision=precision)
+    last = jnp.arange(chunk)[:, None] == chunk - 1
     x, a = x_ref[h, t, :], a_ref[h, t, :]  # [C, C]
     beta = b_ref[t, h].astype(f32)[:, None]  # [C, 1]
-
     @pl.loop(0, k_ref.shape[-1] // block_k)
     def _(kp):
         kc = pl.ds(kp * block_k, block_k)
-        big_g = cg_ref[h, t, kc]  # [C, BK]
-        g_last = cg_ref[h, pl.ds(c * chunk + chunk - 1, 1), kc]  # [1, BK]
+        big_g = jnp.cumsum(g_ref[t, h, kc].astype(f32), axis=0)  # [C, BK]
+        g_last = jnp.sum(jnp.where(last, big_g, 0.0), axis=0)[None, :]  # [1, BK]
         k = k_ref[t, h, kc].astype(f32)
         w = dot(x, beta * k * jnp.exp(big_g))  # W = X R
         w_ref[h, t, kc] = w
         qp_ref[h, t, kc] = q_ref[t, h, kc].astype(f32) * jnp.exp(big_g) - dot(a, w)  # Q' = q e^G - A W
-        kd_ref[h, kc, t] = jnp.transpose(k * jnp.exp(g_last - big_g))  # stored as KDᵀ
+        kd_ref[h, t, kc] = k * jnp.exp(g_last - big_g)
         gl_ref[h, pl.ds(c, 1), kc] = jnp.exp(g_last)
 
     @pl.loop(0, v_ref.shape[-1] // block_k)
@@ -159,7 +150,7 @@ def _prepare_kernel(q_ref, k_ref, v_ref, cg_ref, b_ref, x_ref, a_ref,  # inputs
 def _state_kernel(w_ref, u_ref, qp_ref, op_ref, kd_ref, gl_ref, s_ref,  # inputs
                   out_ref, sf_ref,  # outputs
                   *, chunk, block_k, block_v, fuse_output, precision):
-    # w_ref, qp_ref [H, T, K]; kd_ref [H, K, T]; u_ref, op_ref [H, T, V]; gl_ref [H, T/C, K]; s_ref [H, K, V]
+    # w_ref, qp_ref, kd_ref [H, T, K]; u_ref, op_ref [H, T, V]; gl_ref [H, T/C, K]; s_ref [H, K, V]
     # -> out_ref: o [T, H, V] (fuse_output) or the state entering each chunk [H, T/C, K, V]; sf_ref [H, K, V]
     h, j = pl.program_id(0), pl.program_id(1)
     v0 = pl.ds(j * block_v, block_v)
@@ -174,7 +165,7 @@ def _state_kernel(w_ref, u_ref, qp_ref, op_ref, kd_ref, gl_ref, s_ref,  # inputs
             for kc, sp in zip(pieces, s):
                 out_ref[h, c, kc, v0] = sp
         v_new = u_ref[h, t, v0] - sum(dot(w_ref[h, t, kc], sp) for kc, sp in zip(pieces, s))  # [C, BV]
-        return tuple(gl_ref[h, c, kc][:, None] * sp + dot(kd_ref[h, kc, t], v_new)
+        return tuple(gl_ref[h, c, kc][:, None] * sp + dot(kd_ref[h, t, kc], v_new, (0, 0))
                      for kc, sp in zip(pieces, s))
 
     final = lax.fori_loop(0, w_ref.shape[1] // chunk, body, tuple(s_ref[h, kc, v0] for kc in pieces))
@@ -195,60 +186,54 @@ def _call(kernel, grid, out_shape, *args, num_warps, num_stages, interpret, name
                           )(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "prepare_block_k", "blocks_warps", "num_warps",
-                                             "num_stages", "precision", "interpret"))
-def intra_chunk(q, k, v, g, beta, *, chunk: int = 64, block_k: int = 16, prepare_block_k: int = 64,
-                blocks_warps: int = 1, num_warps: int = 4, num_stages: int = 2, precision: str = "tf32x3",
-                interpret=None):
-    """Phases 0, 1a and 1b on inputs padded to a multiple of `chunk`: (W, Q' [H, T, K]; U, O' [H, T, V];
-    KDᵀ [H, K, T]; γ [H, T/C, K]), all f32. Split out so the bench can time phase 1 alone."""
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "num_warps", "num_stages", "precision",
+                                             "interpret"))
+def intra_chunk(q, k, v, g, beta, *, chunk: int = 64, block_k: int = 16, num_warps: int = 4, num_stages: int = 2,
+                precision: str = "tf32x3", interpret=None):
+    """Phases 1a and 1b on inputs padded to a multiple of `chunk`: (W, Q', KD [H, T, K]; U, O' [H, T, V];
+    γ [H, T/C, K]), all f32. Split out so the bench can time phase 1 alone."""
     t, h, dk = k.shape
     dv = v.shape[-1]
-    block_k, prepare_block_k = min(block_k, dk), min(prepare_block_k, dk, dv)
     assert t % chunk == 0 and chunk >= SUB and chunk & (chunk - 1) == 0, (t, chunk)
-    assert dk % block_k == 0 and dk % prepare_block_k == 0 and dv % prepare_block_k == 0
+    assert dk % block_k == 0 and dv % block_k == 0, (dk, dv, block_k)
     interpret = resolve_interpret(interpret)
     prec = lax.Precision.HIGHEST if interpret else PRECISIONS[precision]
     opts = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     f32, nc = jnp.float32, t // chunk
-    tk, tv = jax.ShapeDtypeStruct((h, t, dk), f32), jax.ShapeDtypeStruct((h, t, dv), f32)
-    cg = _call(functools.partial(_cumsum_kernel, chunk=chunk), (h, nc), tk, g, name="kda_prefill_cumsum", **opts)
     tc = jax.ShapeDtypeStruct((h, t, chunk), f32)
     x, a = _call(functools.partial(_blocks_kernel, chunk=chunk, block_k=block_k, precision=prec),
-                 (h, nc), (tc, tc), q, k, cg, beta, name="kda_prefill_blocks", **(opts | dict(num_warps=blocks_warps)))
-    return _call(functools.partial(_prepare_kernel, chunk=chunk, block_k=prepare_block_k, precision=prec), (h, nc),
-                 (tk, tv, tk, tv, jax.ShapeDtypeStruct((h, dk, t), f32), jax.ShapeDtypeStruct((h, nc, dk), f32)),
-                 q, k, v, cg, beta, x, a, name="kda_prefill_prepare", **opts)
+                 (h, nc), (tc, tc), q, k, g, beta, name="kda_prefill_blocks", **opts)
+    tk, tv = jax.ShapeDtypeStruct((h, t, dk), f32), jax.ShapeDtypeStruct((h, t, dv), f32)
+    return _call(functools.partial(_prepare_kernel, chunk=chunk, block_k=block_k, precision=prec), (h, nc),
+                 (tk, tv, tk, tv, tk, jax.ShapeDtypeStruct((h, nc, dk), f32)), q, k, v, g, beta, x, a,
+                 name="kda_prefill_prepare", **opts)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "prepare_block_k", "state_block_k", "block_v",
-                                             "fuse_output", "blocks_warps", "num_warps", "num_stages", "precision",
-                                             "interpret"))
-def kda_chunked_prefill(q, k, v, g, beta, state, chunk: int = 64, *, block_k: int = 16, prepare_block_k: int = 64,
-                        state_block_k: int = 64, block_v: int = 32, fuse_output: bool = True, blocks_warps: int = 1,
-                        num_warps: int = 4, num_stages: int = 2, precision: str = "tf32x3", interpret=None):
+@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "state_block_k", "block_v", "fuse_output",
+                                             "num_warps", "intra_warps", "num_stages", "precision", "interpret"))
+def kda_chunked_prefill(q, k, v, g, beta, state, chunk: int = 64, *, block_k: int = 16, state_block_k: int = 64,
+                        block_v: int = 32, fuse_output: bool = True, num_warps: int = 4, intra_warps: int = 4,
+                        num_stages: int = 2, precision: str = "tf32x3", interpret=None):
     """Same arguments and results as lingjax.ops.kda.kda_chunked: (o [T, H, V] f32, final state [H, K, V]).
 
     `chunk` (C, a power of two >= 16): the chunk of every phase (the gate must satisfy g > -8.6, see the
-    module docstring). Tiles: `block_k` / `prepare_block_k`: the column pieces of phases 1a / 1b;
-    `state_block_k` x `block_v`: phase 2's state pieces (one program per head and V tile). Warps:
-    `blocks_warps` for phase 1a, `num_warps` for the rest; `num_stages` for all. Padding rows (g = 0,
-    beta = 0) leave the state as is, so T is padded up to a multiple of C here. The defaults, compiled
-    for sm_90 by Triton 3.9 (ptxas -v, K = V = 128): phase 1a spills ~200 bytes/thread, phase 2 ~70,
-    the others none; phase 2 takes 144 KiB of shared memory (num_stages=3 would exceed the H200's).
+    module docstring); `block_k`: phase 1's column pieces; `state_block_k` x `block_v`: phase 2's state
+    pieces (one program per head and V tile); `intra_warps`: phase 1's warps, `num_warps`: phases 2 and
+    3; `num_stages`: all. Padding rows (g = 0, beta = 0) leave the state as is, so T is padded up to a
+    multiple of C here. Defaults, as
+    compiled for sm_90 by Triton 3.9 (ptxas -v, K = V = 128): phase 1a spills ~120 bytes/thread, the
+    others ~0; phase 2 takes 144 KiB of shared memory (num_stages=3 would exceed it).
     """
     t_len, h, dk = k.shape
     dv = v.shape[-1]
-    block_v, state_block_k = min(block_v, dv), min(state_block_k, dk)
+    block_v, block_k, state_block_k = min(block_v, dv), min(block_k, dk, dv), min(state_block_k, dk)
     assert dv % block_v == 0 and dk % state_block_k == 0, (dk, dv, block_v, state_block_k)
     pad = -t_len % chunk
     if pad:
         q, k, v, g, beta = (jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (q, k, v, g, beta))
     tp, nc = t_len + pad, (t_len + pad) // chunk
-    w, u, qp, op, kd, gl = intra_chunk(q, k, v, g, beta, chunk=chunk, block_k=block_k,
-                                       prepare_block_k=prepare_block_k, blocks_warps=blocks_warps,
-                                       num_warps=num_warps, num_stages=num_stages, precision=precision,
-                                       interpret=interpret)
+    w, u, qp, op, kd, gl = intra_chunk(q, k, v, g, beta, chunk=chunk, block_k=block_k, num_warps=intra_warps,
+                                       num_stages=num_stages, precision=precision, interpret=interpret)
     interpret = resolve_interpret(interpret)
     prec = lax.Precision.HIGHEST if interpret else PRECISIONS[precision]
     opts = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
@@ -282,7 +267,7 @@ if __name__ == "__main__":  # GPU: sweep tiles, check each against the recurrenc
     with jax.default_matmul_precision("highest"):
         o_ref, s_ref = jax.jit(kda_ops.kda_recurrent)(*args)
     floor = (T * H * D * (3 * 2 + 4 + 4) + T * H * 4 + 2 * H * D * D * 4) / BW * 1e6
-    for kw in ({}, dict(fuse_output=False), dict(chunk=32, block_k=32, block_v=16), dict(blocks_warps=2),
+    for kw in ({}, dict(fuse_output=False), dict(chunk=32, block_k=32), dict(block_v=16),
                dict(precision="tf32")):
         fn = jax.jit(functools.partial(kda_chunked_prefill, **kw))
         o, s = fn(*args)
