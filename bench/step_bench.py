@@ -13,7 +13,8 @@ batches; random weights, so the MTP drafts fail and every round commits one toke
   shared expert, the distinct routed experts the routers actually chose (captured from the model),
   KDA state traffic, MLA latent cache, MTP draft weights; split weights count 1/tp, replicated
   ones (router, MLA kv_a_proj, latent cache) in full;
-- floor: bytes / bandwidth, the bandwidth of a bf16 copy of 4 GiB measured in the same run.
+- floor: bytes / bandwidth, the bandwidth of a bf16 copy of 4 GiB measured in the same run;
+- host dispatch: the host's time to enqueue a step (≈ the step time when the host sets the pace).
 --profile DIR traces --profile-steps spec rounds per configuration and prints the GPU-time census
 of lingjax.profiling side by side (kernel sets and TP sizes), calibrated against the unprofiled
 round; the raw traces and the round's optimised HLO land flat in DIR.
@@ -134,13 +135,17 @@ def distinct_experts(model, prompt, window) -> list[int]:
     return [len(np.unique(np.asarray(next(chosen)))) if kind == MOE else 0 for kind in model.cfg.mlp_types]
 
 
-def time_steps(fn, n: int) -> float:
-    times = []
+def time_steps(fn, n: int) -> tuple[float, float]:
+    """fn(n) dispatches n steps and returns (start time, last output) -> medians over 5 batches of
+    (seconds per step, seconds per step the host took to dispatch). Dispatch ≈ step time means the
+    host, not the GPU, sets the pace."""
+    times, dispatch = [], []
     for _ in range(5):
         t, done = fn(n)
+        dispatch.append((time.perf_counter() - t) / n)
         jax.block_until_ready(done)
         times.append((time.perf_counter() - t) / n)
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(dispatch)
 
 
 def progress(text: str) -> None:
@@ -164,7 +169,7 @@ def bench_kernels(model, args, prompt, say):
 
     began = time.perf_counter()
     run_decode(2)  # compile
-    t_dec = time_steps(run_decode, args.n)
+    t_dec, h_dec = time_steps(run_decode, args.n)
     progress(f"tp={model.tp} {model.kernels}: decode compiled and timed, {time.perf_counter() - began:.0f} s")
     token, cache = engine.plain_prefill(model, prompt, 6 * args.n, sampling, key)
     k_dec = count_kernels(decode.lower(model.params, cache, token, jnp.int32(prompt.size), key).compile().as_text())
@@ -186,7 +191,7 @@ def bench_kernels(model, args, prompt, say):
         return launch
 
     prepared_rounds(2)()  # compile
-    t_round = time_steps(lambda n: prepared_rounds(n)(), args.n)
+    t_round, h_round = time_steps(lambda n: prepared_rounds(n)(), args.n)
     progress(f"tp={model.tp} {model.kernels}: spec round compiled and timed, {time.perf_counter() - began:.0f} s")
     state = engine.spec_prefill(model, program, drafter, prompt, 6 * args.n, key)[1]
     round_hlo = program.round.lower(model.params, state).compile().as_text()
@@ -206,7 +211,8 @@ def bench_kernels(model, args, prompt, say):
             census = profiling.census(kernels, profiling.op_scopes(round_hlo), args.profile_steps, t_round)
         except ValueError as e:  # the raw trace and HLO are saved: the census can be redone offline
             say(f"census of {tag} failed: {e}")
-    return [("decode T=1", t_dec, k_dec), (f"spec round S={args.steps}", t_round, count_kernels(round_hlo))], census
+    return [("decode T=1", t_dec, h_dec, k_dec),
+            (f"spec round S={args.steps}", t_round, h_round, count_kernels(round_hlo))], census
 
 
 def main():
@@ -258,9 +264,10 @@ def main():
             model = lingjax.Model(base.module, kernels=kernels, source=args.model, tp=tp,
                                   router_precision=args.router_precision)
             measured, census = bench_kernels(model, args, prompt, say)
-            for (name, t, k), b in zip(measured, (bytes_decode, bytes_round)):
+            for (name, t, host, k), b in zip(measured, (bytes_decode, bytes_round)):
                 floor = b / bw
-                rows.append(f"| {tp} | {kernels} | {name} | {t * 1e6:.0f} | {k} | {b / 1e6:.0f} | {floor * 1e6:.0f} | "
+                rows.append(f"| {tp} | {kernels} | {name} | {t * 1e6:.0f} | {host * 1e6:.0f} | {k} | {b / 1e6:.0f} | "
+                            f"{floor * 1e6:.0f} | "
                             f"{t / floor:.2f} |")
                 say(rows[-1])
             if census is not None:
@@ -270,8 +277,9 @@ def main():
         gc.collect()
         jax.clear_caches()
     say()
-    say("| tp | kernels | step | µs/step | kernels in HLO | MB read per device | floor µs | step / floor |")
-    say("|---|---|---|---|---|---|---|---|")
+    say("| tp | kernels | step | µs/step | host dispatch µs/step | kernels in HLO | MB read per device | floor µs | "
+        "step / floor |")
+    say("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         say(row)
     if censuses:

@@ -4,8 +4,8 @@
 every file's header and checks the whole table (missing, unexpected, duplicated, both spellings of
 one tensor, shape, dtype) before a single tensor's data is read, so a bad checkpoint fails fast with
 one CheckpointError naming the tensor and the file. Data then streams one parameter at a time:
-per-expert tensors are stacked into their [E, ...] parameter as they arrive, so host memory holds
-at most one parameter (the real checkpoint is ~250 GB).
+per-expert tensors (and a KDA layer's five input projections) are stacked into their [N, ...]
+parameter as they arrive, so host memory holds at most one parameter (the real checkpoint is ~250 GB).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ INDEX_FILE = "model.safetensors.index.json"
 ORBAX_DIR = "params"
 META_FILE = "lingjax.json"
 ACCEPTED_DTYPES = {"F32": np.float32, "BF16": jnp.bfloat16}
+PARAM_LAYOUT = 2  # orbax parameter tree version; 2: KDA q/k/v/f/g stacked into in_proj
 
 
 class CheckpointError(ValueError):
@@ -40,7 +41,7 @@ class TensorSpec:
     names: tuple[str, ...]  # accepted spellings; exactly one must be present
     path: tuple  # parameter path in the model's state
     shape: tuple[int, ...]  # shape in the checkpoint
-    expert: int | None = None  # index into a stacked [E, ...] parameter
+    index: int | None = None  # index into a stacked [N, ...] parameter (experts, KDA in_proj)
 
 
 def tensor_table(cfg: LingConfig, with_mtp: bool) -> list[TensorSpec]:
@@ -65,7 +66,7 @@ def tensor_table(cfg: LingConfig, with_mtp: bool) -> list[TensorSpec]:
 
     def kda(prefix, path):
         a = f"{prefix}attention."
-        out = [TensorSpec((a + f"{x}_proj.weight",), path + (f"{x}_proj",), (p, d)) for x in "qkvfg"]
+        out = [TensorSpec((a + f"{x}_proj.weight",), path + ("in_proj",), (p, d), i) for i, x in enumerate("qkvfg")]
         out += [TensorSpec((a + "b_proj.weight",), path + ("b_proj",), (h, d))]
         out += [TensorSpec((a + f"{x}_conv1d.weight",), path + (f"{x}_conv",), (p, 1, cfg.conv_size)) for x in "qkv"]
         out += [
@@ -256,11 +257,11 @@ def load_safetensors(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
         target = _get(targets, path)
         host = np.empty(target.shape, target.dtype)
         for spec, key in parts:
-            array = files.read(key).reshape(target.shape[1:] if spec.expert is not None else target.shape)
-            if spec.expert is None:
+            array = files.read(key).reshape(target.shape[1:] if spec.index is not None else target.shape)
+            if spec.index is None:
                 host[...] = array
             else:
-                host[spec.expert] = array
+                host[spec.index] = array
         _set(params, path, place(path, host))
         del host
         if progress:
@@ -281,7 +282,8 @@ def save_orbax(model: LingModel, out_dir: str | Path, config_json: dict) -> None
     out = Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config_json, indent=2))
-    (out / META_FILE).write_text(json.dumps({"has_mtp": model.has_mtp, "dtype": str(model.dtype)}))
+    (out / META_FILE).write_text(json.dumps({"has_mtp": model.has_mtp, "dtype": str(model.dtype),
+                                             "layout": PARAM_LAYOUT}))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(out / ORBAX_DIR, params, force=True)
@@ -300,6 +302,10 @@ def load_orbax(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
 
     directory = Path(directory).absolute()
     meta = json.loads((directory / META_FILE).read_text())
+    if meta.get("layout", 1) != PARAM_LAYOUT:
+        raise CheckpointError(f"{directory}: written by a lingjax with parameter layout {meta.get('layout', 1)}, "
+                              f"this one reads layout {PARAM_LAYOUT}; convert the official checkpoint again "
+                              f"(lingjax convert)")
     _, saved = nnx.split(abstract_model(cfg, jnp.dtype(meta["dtype"]), with_mtp=meta["has_mtp"]))
     target = nnx.to_pure_dict(saved)
     if sharding_for is not None:
@@ -342,7 +348,7 @@ def save_safetensors(model: LingModel, out_dir: str | Path, max_tensors_per_file
     tensors = {}
     for spec in tensor_table(model.cfg, model.has_mtp):
         array = np.asarray(_get(params, spec.path))
-        tensors[spec.names[0]] = np.ascontiguousarray((array[spec.expert] if spec.expert is not None else array)
+        tensors[spec.names[0]] = np.ascontiguousarray((array[spec.index] if spec.index is not None else array)
                                                       .reshape(spec.shape))
     names = list(tensors)
     per_file = max_tensors_per_file or len(names)

@@ -41,7 +41,7 @@ SMALL_T = 16  # up to this many new tokens the step is decode/verify-shaped
 class Paths:
     kda_chunked: bool  # chunked KDA form (prefill) instead of the recurrence
     mla_absorbed: bool  # absorbed MLA (reads the latent cache directly)
-    moe_gathered: bool  # gather the chosen experts per token instead of sorting pairs
+    moe_gathered: bool  # XLA kernels: gather the chosen experts per token, not sort pairs (Pallas: every T)
     ex: Exec = Exec()  # kernel set and tensor-parallel axis
 
     def op(self, name: str):
@@ -95,8 +95,9 @@ class _Init:
 class KDAAttention(nnx.Module):
     def __init__(self, cfg: LingConfig, init: _Init):
         d, p, h = cfg.hidden_size, cfg.kda_dim, cfg.kda_num_heads
-        self.q_proj, self.k_proj, self.v_proj = (init.matrix(p, d) for _ in range(3))
-        self.f_proj, self.g_proj = init.matrix(p, d), init.matrix(p, d)
+        # q, k, v, f (gate input) and g (output gate) projections of x, stacked: one GEMM reads them all
+        # (checkpoint q_proj/k_proj/v_proj/f_proj/g_proj; under TP each is split by channel)
+        self.in_proj = init.matrix(5, p, d)
         self.b_proj = init.matrix(h, d)
         self.q_conv, self.k_conv, self.v_conv = (init.param((p, cfg.conv_size), ("normal", 0.0, 0.5), F32)
                                                  for _ in range(3))
@@ -113,9 +114,12 @@ class KDAAttention(nnx.Module):
             raise ValueError(f"staged (verify) forwards take at most {SMALL_T} tokens, got {t}")
         h, dk = self.b_proj.shape[0], cfg.kda_head_dim  # heads on this device (all of them without TP)
         with jax.named_scope("kda_proj"):
-            qkv = jnp.concatenate([linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)], -1)
+            w = self.in_proj[...]  # [5, P, D]: the reshape is free, the five slices are contiguous
+            proj = linear(x, w.reshape(-1, w.shape[-1]))  # [T, 5P] = q | k | v | f | g
+            p = w.shape[1]  # channels on this device
+            qkv, f, g_out = proj[:, : 3 * p], proj[:, 3 * p : 4 * p], proj[:, 4 * p :]
         with jax.named_scope("kda_gate"):
-            f, b = linear(x, self.f_proj), linear(x, self.b_proj)
+            b = linear(x, self.b_proj)
         conv_w = jnp.concatenate([self.q_conv[...], self.k_conv[...], self.v_conv[...]], 0)
         window = cache.conv.reshape(cache.conv.shape[0], -1)  # [W-1, 3, P] -> [W-1, 3P], q|k|v blocks
         args = (qkv, f, b, window, conv_w, self.a_log[...], self.dt_bias[...])
@@ -130,7 +134,7 @@ class KDAAttention(nnx.Module):
                 windows = kda_ops.conv_windows(window, qkv).reshape((t,) + cache.conv.shape)
                 state, conv = staged[-1], windows[-1]
         with jax.named_scope("kda_out"):
-            gate = linear(x, self.g_proj).reshape(t, h, dk)
+            gate = g_out.reshape(t, h, dk)
             y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)
             y = row_linear(y.reshape(t, h * dk), self.o_proj, paths.ex)
         if stage:
@@ -210,14 +214,17 @@ class MoE(nnx.Module):
         with jax.named_scope("moe_experts"):
             args = (x, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
             shared = self.shared
-            if paths.moe_gathered and paths.ex.kernels == "pallas" and shared is not None \
-                    and shared.gate_proj.shape == self.w_gate.shape[1:]:
+            # The Pallas grouped GEMMs serve every T, prefill included: they sort the pairs into blocks
+            # of 16 that share an expert, so even a 512-token chunk (~8 pairs per expert) reads each
+            # touched expert about once, where the sorted XLA path (ragged_dot) computes densely.
+            pallas = paths.ex.kernels == "pallas"
+            if pallas and shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]:
                 # the Pallas kernels run the shared expert as extra blocks of the same launches
                 y = paths.op("moe_experts")(*args, shared=(shared.gate_proj[...], shared.up_proj[...],
                                                            shared.down_proj[...]), shared_limit=shared.limit)
                 shared = None
             else:
-                y = (paths.op("moe_experts") if paths.moe_gathered else moe_ops.experts_sorted)(*args)
+                y = (paths.op("moe_experts") if paths.moe_gathered or pallas else moe_ops.experts_sorted)(*args)
         if shared is not None:
             with jax.named_scope("moe_shared"):
                 y = y + shared(x)

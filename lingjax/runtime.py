@@ -36,8 +36,9 @@ def step_jit(fun, **kwargs):
     (bench/results/step_flash_h200x4_2026-11-29.md), so each all-reduce still splits the graph.
     XLA's dot merger is off: the Flash profile showed it fusing each KDA layer's five projections
     into one GEMM by copying the five weight matrices into a new buffer every step (26 MB a layer,
-    0.6 ms of a TP4 round), which at batch 1 costs far more than the launches it saves (the gain is
-    not yet measured). Elsewhere plain jax.jit."""
+    0.6 ms of a TP4 round), which at batch 1 costs far more than the launches it saves. Those five
+    are now one stacked weight (KDAAttention.in_proj); the flag keeps XLA from doing the same to
+    other projections of one input (MLA's q/kv_a/g). Not yet measured. Elsewhere plain jax.jit."""
     if jax.default_backend() == "gpu":
         kwargs["compiler_options"] = {
             "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL",

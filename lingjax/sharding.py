@@ -2,7 +2,7 @@
 
 Each step program's body runs inside shard_map, where the model sees this device's shards and
 Exec.tp_axis names the mesh axis:
-- column-parallel (split on the output dim): KDA q/k/v/f/g/b projections, conv weights, A_log and
+- column-parallel (split on the output dim): KDA q/k/v/f/g (stacked in_proj) and b projections, conv weights, A_log and
   dt_bias (all by head); MLA q_proj, kv_b_proj and g_proj (by head); dense and shared-expert gate/up;
 - row-parallel (split on the input dim, then one all-reduce): KDA and MLA output projections, dense
   down projections; routed experts split on their intermediate dim (gate/up rows, down columns), so
@@ -27,12 +27,12 @@ AXIS = "tp"
 _COLUMN = P(AXIS, None)
 _ROW = P(None, AXIS)
 _BY_NAME = {
-    # KDA attention
-    "q_proj": _COLUMN, "k_proj": _COLUMN, "v_proj": _COLUMN, "f_proj": _COLUMN, "b_proj": _COLUMN,
+    # KDA attention (in_proj: q|k|v|f|g stacked [5, P, D], each split by channel)
+    "in_proj": P(None, AXIS, None), "b_proj": _COLUMN,
     "q_conv": _COLUMN, "k_conv": _COLUMN, "v_conv": _COLUMN, "a_log": P(AXIS), "dt_bias": P(AXIS),
     "o_norm": P(),
-    # MLA attention (q_proj and o_proj shared with KDA)
-    "kv_a_proj": P(), "kv_a_norm": P(), "kv_b_proj": _COLUMN,
+    # MLA attention (o_proj shared with KDA)
+    "q_proj": _COLUMN, "kv_a_proj": P(), "kv_a_norm": P(), "kv_b_proj": _COLUMN,
     # both attentions: g_proj is column-parallel (KDA [P, D] by channel, MLA [H, D] by head)
     "g_proj": _COLUMN, "o_proj": _ROW,
     # dense MLP and shared expert

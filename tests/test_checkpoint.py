@@ -170,6 +170,11 @@ def test_save_load_round_trip_and_orbax(tmp_path):
     assert f32.dtype == jnp.float32 and f32.module.layers[0].attn.a_log.dtype == jnp.float32
     for a, b in zip(jax.tree.leaves(nnx.state(model.module, nnx.Param)), jax.tree.leaves(nnx.state(f32.module, nnx.Param))):
         assert bool(jnp.array_equal(a.astype(jnp.float32), b))  # bf16 -> f32 is exact
+    # an orbax checkpoint of an older parameter layout says so, instead of failing inside orbax
+    meta = tmp_path / "orbax" / "lingjax.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "layout": 1}))
+    with pytest.raises(CheckpointError, match="parameter layout 1.*lingjax convert"):
+        lingjax.load(tmp_path / "orbax")
 
 
 def test_official_spelling_equals_hf_spelling():

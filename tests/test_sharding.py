@@ -51,9 +51,9 @@ def test_sampling_matches_tp1(tp):
 def test_weights_are_sharded_and_loaded_straight_into_shards():
     model = lingjax.load(FIXTURES / "tiny_c", dtype="float32", tp=2)
     kda = model.params["layers"][0]["attn"]
-    q = kda["q_proj"][...]
-    assert q.sharding.spec == sharding.param_spec(("q_proj",))
-    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0] // 2, q.shape[1])}
+    w_in = kda["in_proj"][...]  # [5, P, D]: q|k|v|f|g, each split by channel
+    assert w_in.sharding.spec == sharding.param_spec(("in_proj",))
+    assert {s.data.shape for s in w_in.addressable_shards} == {(5, w_in.shape[1] // 2, w_in.shape[2])}
     w_gate = model.params["layers"][2]["mlp"]["w_gate"][...]
     assert {s.data.shape for s in w_gate.addressable_shards} == {(w_gate.shape[0], w_gate.shape[1] // 2,
                                                                   w_gate.shape[2])}
@@ -92,8 +92,8 @@ def test_orbax_restores_straight_into_shards(tmp_path):
     module = load_orbax(tmp_path / "orbax", lingjax.LingConfig.from_file(tmp_path / "orbax" / "config.json"),
                         jax.numpy.float32, sharding_for=lambda path: jax.sharding.NamedSharding(
                             mesh, sharding.param_spec(path)))
-    q = module.layers[0].attn.q_proj[...]  # as restored, before any re-placement
-    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0] // 2, q.shape[1])}
+    w_in = module.layers[0].attn.in_proj[...]  # as restored, before any re-placement
+    assert {s.data.shape for s in w_in.addressable_shards} == {(5, w_in.shape[1] // 2, w_in.shape[2])}
     model = lingjax.load(tmp_path / "orbax", dtype="float32", tp=2)
     ref = np.load(FIXTURES / "tiny_c" / "reference.npz")
     assert rel_err(model.logits(ref["prompt_ids"]), ref["logits"]) <= 1e-4

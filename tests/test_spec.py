@@ -198,12 +198,14 @@ def test_verify_then_commit_equals_sequential_decode(n):
     for i in range(n + 1):
         h, seq = forward(jnp.asarray(window[i : i + 1], jnp.int32), seq, len(prompt) + i, 1)
         rows.append(h[0])
+    # f32: the verify's M=6 GEMMs and the decode's M=1 GEMMs round differently, and that compounds over
+    # 6 layers and up to 6 recurrent steps (measured up to 1.5e-5); a wrong row or commit is O(1)
     for got, want in zip(committed.layers, seq.layers):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             if a.shape[0] == 64:  # MLA latent cache: compare the committed prefix
                 a, b = a[: len(prompt) + n + 1], b[: len(prompt) + n + 1]
-            assert rel_err(a, b) < 1e-5
-    assert rel_err(hidden[: n + 1], jnp.stack(rows)) < 1e-5
+            assert rel_err(a, b) < 5e-5
+    assert rel_err(hidden[: n + 1], jnp.stack(rows)) < 5e-5
 
 
 # ---- the host loop ---------------------------------------------------------------------------------

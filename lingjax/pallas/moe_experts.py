@@ -2,7 +2,8 @@
 
 Replaces `lingjax.ops.moe.experts_gathered` (same arguments, same [T, D] f32 result):
   1. moe_align (lingjax/pallas/moe_align.py) sorts the T·k (token, slot) pairs into blocks of `block_m`
-     rows that share one expert (one launch on the pair axis for NP ≤ 64, sort-based above).
+     rows that share one expert (one launch on the pair axis for NP ≤ 64, sort-based above; at T = 1
+     no launch: each pair is its own block, see _single_token_plan).
   2. Up kernel, grid (block, I tile): rows gathered from x by token, gate and up tiles read from the two
      [E, I, D] arrays in the same K loop, h = act(g, u) in f32 and rounded once to x's dtype.
   3. Down kernel, grid (block, D tile): y = h · W_downᵀ in f32, times the pair's routing weight, stored
@@ -19,6 +20,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -124,6 +126,18 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, npairs, block_m,
             y_ref[npairs + 1 + tok, cols] = block(lambda ks: sd_ref[cols, ks])  # unweighted
 
 
+def _single_token_plan(experts, block_m: int):
+    """The block plan at T = 1 without an align launch: a token's top-k experts are distinct, so pair j
+    gets block j alone (slot j·block_m) and the block's expert is the pair's. A constant slot table and
+    the expert ids themselves: on the H200 the pair-axis align is a ~13 µs single-program launch
+    (bench/results/moe_h200_2026-11-29_run2.md) against a 30 µs byte floor for the whole layer. Repeated
+    experts (not produced by routing) still compute correctly, each block reading its expert again."""
+    top_k = experts.shape[1]
+    ids = np.full((top_k * block_m,), top_k, np.int32)  # sentinel NP = top_k in the padding slots
+    ids[np.arange(top_k) * block_m] = np.arange(top_k)
+    return jnp.asarray(ids), experts.reshape(top_k).astype(jnp.int32)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("limit", "block_m", "bn_up", "bk_up", "bn_down", "bk_down", "warps_up", "warps_down",
@@ -149,8 +163,11 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block
         raise ValueError(f"a fused shared expert needs width {i_dim}, got {shared[0].shape}")
     bn_up, bk_up = _tile(i_dim, bn_up), _tile(d, bk_up)
     bn_down, bk_down = _tile(d, bn_down), _tile(i_dim, bk_down)
-    ids, blk, _, _ = moe_align(experts, block_m=block_m, n_blocks=n_blocks_for(npairs, block_m, n_exp),
-                               interpret=interpret)
+    n_blocks = n_blocks_for(npairs, block_m, n_exp)
+    if t == 1 and n_blocks == top_k:
+        ids, blk = _single_token_plan(experts, block_m)
+    else:
+        ids, blk, _, _ = moe_align(experts, block_m=block_m, n_blocks=n_blocks, interpret=interpret)
     nb, slots = blk.shape[0], ids.shape[0]
     ns = 0 if shared is None else pl.cdiv(t, block_m)  # shared-expert blocks
 
