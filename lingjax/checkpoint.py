@@ -4,7 +4,7 @@
 every file's header and checks the whole table (missing, unexpected, duplicated, both spellings of
 one tensor, shape, dtype) before a single tensor's data is read, so a bad checkpoint fails fast with
 one CheckpointError naming the tensor and the file. Data then streams one parameter at a time:
-per-expert tensors (and a KDA layer's five input projections) are stacked into their [N, ...]
+per-expert tensors (and a KDA layer's input projections and conv taps) are stacked into their [N, ...]
 parameter as they arrive, so host memory holds at most one parameter (the real checkpoint is ~250 GB).
 """
 
@@ -29,7 +29,7 @@ INDEX_FILE = "model.safetensors.index.json"
 ORBAX_DIR = "params"
 META_FILE = "lingjax.json"
 ACCEPTED_DTYPES = {"F32": np.float32, "BF16": jnp.bfloat16}
-PARAM_LAYOUT = 2  # orbax parameter tree version; 2: KDA q/k/v/f/g stacked into in_proj
+PARAM_LAYOUT = 2  # orbax parameter tree version; 2: KDA q/k/v/f/g stacked into in_proj, q/k/v conv into conv
 
 
 class CheckpointError(ValueError):
@@ -68,7 +68,8 @@ def tensor_table(cfg: LingConfig, with_mtp: bool) -> list[TensorSpec]:
         a = f"{prefix}attention."
         out = [TensorSpec((a + f"{x}_proj.weight",), path + ("in_proj",), (p, d), i) for i, x in enumerate("qkvfg")]
         out += [TensorSpec((a + "b_proj.weight",), path + ("b_proj",), (h, d))]
-        out += [TensorSpec((a + f"{x}_conv1d.weight",), path + (f"{x}_conv",), (p, 1, cfg.conv_size)) for x in "qkv"]
+        out += [TensorSpec((a + f"{x}_conv1d.weight",), path + ("conv",), (p, 1, cfg.conv_size), i)
+                for i, x in enumerate("qkv")]
         out += [
             TensorSpec((a + "A_log",), path + ("a_log",), (h,)),
             TensorSpec((a + "dt_bias",), path + ("dt_bias",), (p,)),

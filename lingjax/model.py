@@ -99,8 +99,7 @@ class KDAAttention(nnx.Module):
         # (checkpoint q_proj/k_proj/v_proj/f_proj/g_proj; under TP each is split by channel)
         self.in_proj = init.matrix(5, p, d)
         self.b_proj = init.matrix(h, d)
-        self.q_conv, self.k_conv, self.v_conv = (init.param((p, cfg.conv_size), ("normal", 0.0, 0.5), F32)
-                                                 for _ in range(3))
+        self.conv = init.param((3, p, cfg.conv_size), ("normal", 0.0, 0.5), F32)  # q|k|v short-conv taps
         self.a_log = init.param((h,), ("log_uniform", 1.0, 16.0), F32)
         self.dt_bias = init.param((p,), ("normal", 0.0, 1.0), F32)
         self.o_norm = init.norm(cfg.kda_head_dim)
@@ -120,7 +119,7 @@ class KDAAttention(nnx.Module):
             qkv, f, g_out = proj[:, : 3 * p], proj[:, 3 * p : 4 * p], proj[:, 4 * p :]
         with jax.named_scope("kda_gate"):
             b = linear(x, self.b_proj)
-        conv_w = jnp.concatenate([self.q_conv[...], self.k_conv[...], self.v_conv[...]], 0)
+        conv_w = self.conv[...].reshape(-1, self.conv.shape[-1])  # [3P, W], q|k|v blocks, no copy
         window = cache.conv.reshape(cache.conv.shape[0], -1)  # [W-1, 3, P] -> [W-1, 3P], q|k|v blocks
         args = (qkv, f, b, window, conv_w, self.a_log[...], self.dt_bias[...])
         gate_cfg = dict(num_heads=h, safe_gate=cfg.kda_safe_gate, lower_bound=cfg.kda_lower_bound)

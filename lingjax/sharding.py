@@ -29,7 +29,7 @@ _ROW = P(None, AXIS)
 _BY_NAME = {
     # KDA attention (in_proj: q|k|v|f|g stacked [5, P, D], each split by channel)
     "in_proj": P(None, AXIS, None), "b_proj": _COLUMN,
-    "q_conv": _COLUMN, "k_conv": _COLUMN, "v_conv": _COLUMN, "a_log": P(AXIS), "dt_bias": P(AXIS),
+    "conv": P(None, AXIS, None), "a_log": P(AXIS), "dt_bias": P(AXIS),
     "o_norm": P(),
     # MLA attention (o_proj shared with KDA)
     "q_proj": _COLUMN, "kv_a_proj": P(), "kv_a_norm": P(), "kv_b_proj": _COLUMN,
