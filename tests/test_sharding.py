@@ -25,6 +25,16 @@ def test_four_fake_devices():
     assert len(jax.devices()) >= 4
 
 
+def test_random_presets_are_drawn_in_shards_and_equal_at_every_tp():
+    """Presets draw each weight on the devices, every device only its shard, and the same values at
+    any TP (so benchmarks at several TP sizes compare one model)."""
+    one, four = _tiny(1), _tiny(4)
+    w_in = four.params["layers"][0]["attn"]["in_proj"][...]
+    assert {s.data.shape for s in w_in.addressable_shards} == {(5, w_in.shape[1] // 4, w_in.shape[2])}
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(four.params)):
+        assert a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_logits_and_greedy_match_tp1(tp):
     one, many = _tiny(1), _tiny(tp)
