@@ -13,7 +13,7 @@ Weights keep the torch [out, in] layout (y = x·Wᵀ) so checkpoints load withou
 Every forward is an "extend": T new tokens at absolute positions start..start+T-1 against explicit
 caches. Prefill, decode (T=1), speculative verify (T=S+1) and the cache-free full forward are all
 this one function; the math path (recurrent or chunked KDA, absorbed or expanded MLA, gathered or
-sorted experts) is chosen by T in one place, `paths_for`.
+sorted experts) is chosen in one place, `paths_for`, by T and the kernel set.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ SMALL_T = 16  # up to this many new tokens the step is decode/verify-shaped
 class Paths:
     kda_chunked: bool  # chunked KDA form (prefill) instead of the recurrence
     mla_absorbed: bool  # absorbed MLA (reads the latent cache directly)
-    moe_gathered: bool  # XLA kernels: gather the chosen experts per token, not sort pairs (Pallas: every T)
+    moe_gathered: bool  # the "moe_experts" op (XLA gather / Pallas grouped GEMMs), not sorted ragged_dot
     ex: Exec = Exec()  # kernel set and tensor-parallel axis
 
     def op(self, name: str):
@@ -50,7 +50,10 @@ class Paths:
 
 def paths_for(num_tokens: int, ex: Exec = Exec()) -> Paths:
     small = num_tokens <= SMALL_T
-    return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small, ex=ex)
+    # The Pallas grouped GEMMs serve every T, prefill included: they sort the pairs into blocks of 16
+    # that share an expert, so even a 512-token chunk (~8 pairs per expert) reads each touched expert
+    # about once, where the sorted XLA path (ragged_dot) computes densely. XLA's gather: small T only.
+    return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small or ex.kernels == "pallas", ex=ex)
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -213,17 +216,13 @@ class MoE(nnx.Module):
         with jax.named_scope("moe_experts"):
             args = (x, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
             shared = self.shared
-            # The Pallas grouped GEMMs serve every T, prefill included: they sort the pairs into blocks
-            # of 16 that share an expert, so even a 512-token chunk (~8 pairs per expert) reads each
-            # touched expert about once, where the sorted XLA path (ragged_dot) computes densely.
-            pallas = paths.ex.kernels == "pallas"
-            if pallas and shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]:
+            if paths.ex.kernels == "pallas" and shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]:
                 # the Pallas kernels run the shared expert as extra blocks of the same launches
                 y = paths.op("moe_experts")(*args, shared=(shared.gate_proj[...], shared.up_proj[...],
                                                            shared.down_proj[...]), shared_limit=shared.limit)
                 shared = None
             else:
-                y = (paths.op("moe_experts") if paths.moe_gathered or pallas else moe_ops.experts_sorted)(*args)
+                y = (paths.op("moe_experts") if paths.moe_gathered else moe_ops.experts_sorted)(*args)
         if shared is not None:
             with jax.named_scope("moe_shared"):
                 y = y + shared(x)

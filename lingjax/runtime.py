@@ -187,17 +187,15 @@ def random_model(cfg: LingConfig, dtype, seed: int, mesh=None) -> LingModel:
     device, such as Flash at TP2, never exists whole anywhere. One small program per distinct
     (shape, dtype, distribution, sharding): a whole-model program took 5 minutes to compile."""
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
     base = jax.random.key(seed)
-    index = iter(range(1 << 30))
 
-    def make(path, var):
+    def make(i, path, var):
         spec = sharding.param_spec(sharding.path_keys(path))
         out = None if mesh is None else NamedSharding(mesh, spec)
-        key = jax.random.fold_in(base, next(index))
-        return var.replace(_drawer(var.shape, jnp.dtype(var.dtype), var.random, out)(key))
+        return var.replace(_drawer(var.shape, jnp.dtype(var.dtype), var.random, out)(jax.random.fold_in(base, i)))
 
-    params = jax.tree_util.tree_map_with_path(make, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.merge(graphdef, params)
+    return nnx.merge(graphdef, treedef.unflatten([make(i, path, var) for i, (path, var) in enumerate(leaves)]))
 
 
 @functools.lru_cache(maxsize=256)
@@ -221,23 +219,24 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xl
                                   "use kernels='xla'")
     jdtype = DTYPES[dtype]
     source = str(path_or_preset)
+    directory = Path(source)
     if source in PRESETS:
         cfg = preset(source)
-        if tp > 1:
-            sharding.check_tp(cfg, tp)
-        module = random_model(cfg, jdtype, seed, sharding.make_mesh(tp) if tp > 1 else None)
-        return Model(module, kernels, source=f"preset:{source}", tp=tp, router_precision=router_precision)
-    directory = Path(source)
-    if not directory.is_dir():
+    elif not directory.is_dir():
         raise FileNotFoundError(f"{source!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")
-    config_path = directory / "config.json"
-    if not config_path.exists():
+    elif not (directory / "config.json").exists():
         raise checkpoint.CheckpointError(f"{directory}: no config.json")
-    cfg = LingConfig.from_file(config_path)
-    sharding_for = place = None
+    else:
+        cfg = LingConfig.from_file(directory / "config.json")
+    mesh = None
     if tp > 1:  # every parameter goes straight into its shards
         sharding.check_tp(cfg, tp)
         mesh = sharding.make_mesh(tp)
+    if source in PRESETS:
+        module = random_model(cfg, jdtype, seed, mesh)
+        return Model(module, kernels, source=f"preset:{source}", tp=tp, router_precision=router_precision)
+    sharding_for = place = None
+    if mesh is not None:
 
         def sharding_for(path):
             return NamedSharding(mesh, sharding.param_spec(path))

@@ -2,8 +2,9 @@
 
 Each step program's body runs inside shard_map, where the model sees this device's shards and
 Exec.tp_axis names the mesh axis:
-- column-parallel (split on the output dim): KDA q/k/v/f/g (stacked in_proj) and b projections, conv weights, A_log and
-  dt_bias (all by head); MLA q_proj, kv_b_proj and g_proj (by head); dense and shared-expert gate/up;
+- column-parallel (split on the output dim): KDA q/k/v/f/g (stacked in_proj) and b projections, conv
+  weights, A_log and dt_bias (all by head); MLA q_proj, kv_b_proj and g_proj (by head); dense and
+  shared-expert gate/up;
 - row-parallel (split on the input dim, then one all-reduce): KDA and MLA output projections, dense
   down projections; routed experts split on their intermediate dim (gate/up rows, down columns), so
   every device reads 1/N of each touched expert, and the MoE block all-reduces routed + shared once;
@@ -31,10 +32,10 @@ _BY_NAME = {
     "in_proj": P(None, AXIS, None), "b_proj": _COLUMN,
     "conv": P(None, AXIS, None), "a_log": P(AXIS), "dt_bias": P(AXIS),
     "o_norm": P(),
-    # MLA attention (o_proj shared with KDA)
-    "q_proj": _COLUMN, "kv_a_proj": P(), "kv_a_norm": P(), "kv_b_proj": _COLUMN,
-    # both attentions: g_proj is column-parallel (KDA [P, D] by channel, MLA [H, D] by head)
-    "g_proj": _COLUMN, "o_proj": _ROW,
+    # MLA attention (g_proj [H, D] by head)
+    "q_proj": _COLUMN, "kv_a_proj": P(), "kv_a_norm": P(), "kv_b_proj": _COLUMN, "g_proj": _COLUMN,
+    # both attentions
+    "o_proj": _ROW,
     # dense MLP and shared expert
     "gate_proj": _COLUMN, "up_proj": _COLUMN, "down_proj": _ROW,
     # routed experts
