@@ -2,9 +2,11 @@
 
     python bench/step_bench.py --model mid --tp 1 2 --steps 3 --kernels xla pallas --out report.md
     python bench/step_bench.py --model flash --tp 4 --kernels pallas --router-precision bf16 --profile prof/
+    python bench/step_bench.py --model flash --tp 2 --kernels pallas --graphs split whole
 
 For each TP size (random weights made shard by shard on the devices, the same weights for every
-size) and kernel set: the plain T=1 decode step and the speculative round (S drafts, verify width
+size), kernel set and graph mode (--graphs whole puts the all-reduces inside the CUDA graphs, see
+lingjax.runtime.step_jit): the plain T=1 decode step and the speculative round (S drafts, verify width
 S+1), each timed as N steps dispatched back to back with one block at the end (median of 5 such
 batches; random weights, so the MTP drafts fail and every round commits one token). Printed with
 - kernels: the step program's launches counted in its optimised HLO (fusions, custom calls, library
@@ -148,6 +150,10 @@ def time_steps(fn, n: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(dispatch)
 
 
+def variant_name(model) -> str:
+    return model.kernels + ("+graph-ar" if model.collectives_in_graphs else "")
+
+
 def progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -167,10 +173,12 @@ def bench_kernels(model, args, prompt, say):
             token, pos, cache = decode(model.params, cache, token, pos, key)
         return t, token
 
+    label = f"tp={model.tp} {variant_name(model)}"
     began = time.perf_counter()
     run_decode(2)  # compile
+    compiled = time.perf_counter()
     t_dec, h_dec = time_steps(run_decode, args.n)
-    progress(f"tp={model.tp} {model.kernels}: decode compiled and timed, {time.perf_counter() - began:.0f} s")
+    progress(f"{label}: decode compiled in {compiled - began:.0f} s, timed in {time.perf_counter() - compiled:.0f} s")
     token, cache = engine.plain_prefill(model, prompt, 6 * args.n, sampling, key)
     k_dec = count_kernels(decode.lower(model.params, cache, token, jnp.int32(prompt.size), key).compile().as_text())
     del cache
@@ -190,15 +198,17 @@ def bench_kernels(model, args, prompt, say):
             return t, out
         return launch
 
+    began = time.perf_counter()
     prepared_rounds(2)()  # compile
+    compiled = time.perf_counter()
     t_round, h_round = time_steps(lambda n: prepared_rounds(n)(), args.n)
-    progress(f"tp={model.tp} {model.kernels}: spec round compiled and timed, {time.perf_counter() - began:.0f} s")
+    progress(f"{label}: spec round compiled in {compiled - began:.0f} s, timed in {time.perf_counter() - compiled:.0f} s")
     state = engine.spec_prefill(model, program, drafter, prompt, 6 * args.n, key)[1]
     round_hlo = program.round.lower(model.params, state).compile().as_text()
     del state
     census = None
     if args.profile:  # only the rounds are traced; the prompt's prefill runs before
-        tag = f"{args.model}_tp{model.tp}_{model.kernels}"
+        tag = f"{args.model}_tp{model.tp}_{variant_name(model).replace('+', '_')}"
         launch = prepared_rounds(args.profile_steps)
         with tempfile.TemporaryDirectory() as raw:
             with profiling.capture(raw) as trace:
@@ -221,6 +231,8 @@ def main():
     ap.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes, run one after another")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--kernels", nargs="+", default=["xla", "pallas"])
+    ap.add_argument("--graphs", nargs="+", default=["split"], choices=["split", "whole"],
+                    help="split: all-reduces outside the CUDA graphs (default); whole: inside (runtime.step_jit)")
     ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--n", type=int, default=32, help="steps per timed batch")
@@ -261,18 +273,20 @@ def main():
         # round = S-1 MTP draft forwards + verify (width S+1) + draft-extend (one MTP forward)
         bytes_round = weight_bytes(base, distinct_w, width, args.steps, ctx, tp)
         for kernels in args.kernels:
-            model = lingjax.Model(base.module, kernels=kernels, source=args.model, tp=tp,
-                                  router_precision=args.router_precision)
-            measured, census = bench_kernels(model, args, prompt, say)
-            for (name, t, host, k), b in zip(measured, (bytes_decode, bytes_round)):
-                floor = b / bw
-                rows.append(f"| {tp} | {kernels} | {name} | {t * 1e6:.0f} | {host * 1e6:.0f} | {k} | {b / 1e6:.0f} | "
-                            f"{floor * 1e6:.0f} | "
-                            f"{t / floor:.2f} |")
-                say(rows[-1])
-            if census is not None:
-                censuses[f"tp{tp} {kernels}"] = census
-            del model
+            for graphs in args.graphs:
+                if graphs == "whole" and tp == 1:
+                    continue  # no collectives: the same program as split
+                model = lingjax.Model(base.module, kernels=kernels, source=args.model, tp=tp,
+                                      router_precision=args.router_precision, collectives_in_graphs=graphs == "whole")
+                measured, census = bench_kernels(model, args, prompt, say)
+                for (name, t, host, k), b in zip(measured, (bytes_decode, bytes_round)):
+                    floor = b / bw
+                    rows.append(f"| {tp} | {variant_name(model)} | {name} | {t * 1e6:.0f} | {host * 1e6:.0f} | {k} | "
+                                f"{b / 1e6:.0f} | {floor * 1e6:.0f} | {t / floor:.2f} |")
+                    say(rows[-1])
+                if census is not None:
+                    censuses[f"tp{tp} {variant_name(model)}"] = census
+                del model
         del base
         gc.collect()
         jax.clear_caches()

@@ -27,21 +27,26 @@ from lingjax.sampling import SamplingParams, sample
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
-def step_jit(fun, **kwargs):
+COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+
+
+def step_jit(fun, collectives_in_graphs: bool = False, **kwargs):
     """jax.jit for a hot step program. On GPU the whole step goes into XLA command buffers (CUDA
     graphs), loops and conditionals included: measured on the H200 (bench/results/
     spec_overlap_h200_2026-11-29.md) this cut the host's dispatch of a speculative round from 3.2-4.3
-    ms to 2.0 ms, below the device's time, so the run-ahead loop hides it. Collectives are not in
-    the list: a Flash TP4 round compiled with them did not finish its timing within 2.5 minutes
-    (bench/results/step_flash_h200x4_2026-11-29.md), so each all-reduce still splits the graph.
+    ms to 2.0 ms, below the device's time, so the run-ahead loop hides it.
+    Collectives stay out of the graphs unless collectives_in_graphs: then each all-reduce splits the
+    graph (a TP4 Flash round is ~200 graph launches plus ~100 bare all-reduces per device, and the
+    host sets the pace: bench/results/step_flash_h200x4_2026-11-29.md), but a Flash TP4 round
+    compiled with them did not finish its timing within 2.5 minutes there.
     XLA's dot merger is off: the Flash profile showed it fusing each KDA layer's five projections
     into one GEMM by copying the five weight matrices into a new buffer every step (26 MB a layer,
     0.6 ms of a TP4 round), which at batch 1 costs far more than the launches it saves. Those five
     are now one stacked weight (KDAAttention.in_proj); the flag keeps XLA from doing the same to
-    other projections of one input (MLA's q/kv_a/g). Not yet measured. Elsewhere plain jax.jit."""
+    other projections of one input (MLA's q/kv_a/g). Elsewhere plain jax.jit."""
     if jax.default_backend() == "gpu":
         kwargs["compiler_options"] = {
-            "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL",
+            "xla_gpu_enable_command_buffer": COMMAND_BUFFERS + (",COLLECTIVES" if collectives_in_graphs else ""),
             "xla_gpu_graph_min_graph_size": 1,
             "xla_gpu_dot_merger_threshold_mb": 0,
         }
@@ -54,8 +59,9 @@ class Model:
     tp devices (lingjax/sharding.py) and every program body runs inside shard_map."""
 
     def __init__(self, module: LingModel, kernels: str = "xla", source: str = "", tp: int = 1,
-                 router_precision: str = "f32"):
+                 router_precision: str = "f32", collectives_in_graphs: bool = False):
         self.module = module
+        self.collectives_in_graphs = collectives_in_graphs  # see step_jit
         self.cfg: LingConfig = module.cfg
         self.kernels = kernels
         self.source = source
@@ -76,6 +82,9 @@ class Model:
                                       donate_argnums=(1,))
         self._step_programs = {}
         self._spec_programs = {}
+
+    def step_jit(self, fun, **kwargs):
+        return step_jit(fun, self.collectives_in_graphs, **kwargs)
 
     def sharded(self, fun, in_specs, out_specs):
         """fun itself without TP; under TP, fun running on each device's shards (shard_map)."""
@@ -108,8 +117,8 @@ class Model:
                                    (ps, cs, rep, rep, rep, rep), (rep, cs))
             decode = self.sharded(functools.partial(self._decode_impl, sampling=sampling),
                                   (ps, cs, rep, rep, rep), (rep, rep, cs))
-            self._step_programs[sampling] = (step_jit(prefill, donate_argnums=(1,)),
-                                             step_jit(decode, donate_argnums=(1,)))
+            self._step_programs[sampling] = (self.step_jit(prefill, donate_argnums=(1,)),
+                                             self.step_jit(decode, donate_argnums=(1,)))
         return self._step_programs[sampling]
 
     def spec_program(self, drafter, sampling: SamplingParams):

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from lingjax import cache as cache_lib
-from lingjax.runtime import step_jit
 from lingjax.sampling import SamplingParams, sample
 from lingjax.spec.accept import accept
 
@@ -43,11 +42,11 @@ class SpecProgram:
         chunk_specs = ((model.param_specs, model.cache_specs, draft_specs) + (rep,) * 5, (rep, model.cache_specs,
                                                                                         draft_specs))
         self._prefill = {
-            last: step_jit(model.sharded(functools.partial(self._prefill_chunk, last=last), *chunk_specs),
+            last: model.step_jit(model.sharded(functools.partial(self._prefill_chunk, last=last), *chunk_specs),
                            donate_argnums=(1, 2))
             for last in (False, True)
         }
-        self.round = step_jit(model.sharded(self._round, (model.param_specs, state_specs), (state_specs, rep)),
+        self.round = model.step_jit(model.sharded(self._round, (model.param_specs, state_specs), (state_specs, rep)),
                               donate_argnums=(1,))
 
     def prefill_chunk(self, params, cache, draft, tokens, start, n_valid, next_token, key, *, last: bool):
