@@ -1,10 +1,11 @@
 """One Flash-size MoE layer (D=2560, I=768, E=512, top-8, 8 groups / top-4, shared 768) on one GPU.
 
 In one process: (1) correctness of the Pallas router, align and experts against lingjax.ops.moe on the GPU;
-(2) the copy bandwidth (a large bf16 read+write) that every byte floor below uses; (3) a tile sweep of
-fused_experts alone; (4) whole MoE layers at T in {1, 6, 16}: plain XLA (ops.moe route + experts_gathered +
-mlp), the Pallas path as the model runs it (f32 router, shared expert in XLA), and the fast variant (bf16
-router, shared expert fused into the expert kernels); (5) align and router on their own.
+(2) the copy bandwidth (a large bf16 read+write) that every byte floor below uses; (3) the router variants
+(ROUTERS) alone and router + align plan, at T in {1, 6, 16}, each checked against the reference; (4) whole
+MoE layers: plain XLA (ops.moe route + experts_gathered + mlp), the previous Pallas path (LEGACY bf16 router,
+align launch, shared expert fused into the expert kernels) and the model's path (f32 router, the fastest
+correct variant of (3) with its fused align plan, shared fused); (5) a tile sweep of fused_experts alone.
 
 Timing is in-graph: a jitted fori_loop over 8 layers whose weights are distinct arrays (24 GB, so L2 never
 holds them), medians over repeated calls. Each layer's input is a fixed random x plus 1e-30 × the previous
@@ -27,12 +28,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from lingjax.ops import moe as moe_ops
-from lingjax.pallas.moe_align import align_reference, moe_align
+from lingjax.pallas.moe_align import BLOCK_M, align_reference, moe_align
 from lingjax.pallas.moe_experts import fused_experts
-from lingjax.pallas.moe_router import route
+from lingjax.pallas.moe_router import LEGACY, route
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # the Flash clamps of the late layers (ling3_architecture.md §6.3)
+ROUTERS = {  # name -> route() options; "legacy" is the first version, the rest the vector select kernel
+    "legacy": dict(LEGACY, fused_plan=False),
+    "default": {},  # K split 5, be 16, 1 select warp per token, 4 with the fused align
+    "ks=2 bk=256": dict(k_splits=2, bk=256),
+    "ks=10 bk=256": dict(k_splits=10, bk=256),
+    "be=32": dict(be=32),
+    "select 2 warps": dict(select_warps=2),
+    "select 4 warps": dict(select_warps=4),
+    "default, align launch": dict(fused_plan=False),
+}
 
 
 def timed(fn, *args, reps):
@@ -59,15 +70,25 @@ def xla_layer(x, p, cfg):
     return (y + moe_ops.mlp(x, p["sg"], p["su"], p["sd"], SHARED_LIMIT)).astype(x.dtype)
 
 
-def pallas_layer(x, p, cfg, precision="f32", fuse_shared=False, tiles=None, interpret=None):
-    weights, experts = route(x, p["router"], p["bias"], precision=precision, interpret=interpret, **cfg)
-    kw = dict(tiles or {}, interpret=interpret)
-    if fuse_shared:
-        y = fused_experts(x, p["wg"], p["wu"], p["wd"], weights, experts, LIMIT, shared=(p["sg"], p["su"], p["sd"]),
-                          shared_limit=SHARED_LIMIT, **kw)
+def route_and_plan(x, p, cfg, router, precision="f32", interpret=None):
+    """Routing and the experts' align plan as fused_experts would get it: from the select kernel where the router
+    builds it (router option fused_plan, default True), else the align launch (none at T = 1)."""
+    kw = dict(router, precision=precision, interpret=interpret, **cfg)
+    if kw.pop("fused_plan", True):
+        weights, experts, plan = route(x, p["router"], p["bias"], plan_block_m=BLOCK_M, **kw)
     else:
-        y = fused_experts(x, p["wg"], p["wu"], p["wd"], weights, experts, LIMIT, **kw)
-        y = y + moe_ops.mlp(x, p["sg"], p["su"], p["sd"], SHARED_LIMIT)
+        (weights, experts), plan = route(x, p["router"], p["bias"], **kw), None
+    if plan is None and x.shape[0] > 1:
+        ids, blk, _, meta = moe_align(experts, block_m=BLOCK_M, interpret=interpret)
+        plan = ids, blk, meta
+    return weights, experts, plan
+
+
+def pallas_layer(x, p, cfg, router, precision="f32", tiles=None, interpret=None):
+    """The Pallas layer with the shared expert fused into the expert kernels (as the model runs it)."""
+    weights, experts, plan = route_and_plan(x, p, cfg, router, precision, interpret)
+    y = fused_experts(x, p["wg"], p["wu"], p["wd"], weights, experts, LIMIT, shared=(p["sg"], p["su"], p["sd"]),
+                      shared_limit=SHARED_LIMIT, plan=plan, interpret=interpret, **(tiles or {}))
     return y.astype(x.dtype)
 
 
@@ -99,6 +120,7 @@ def main():
     d, i, e, n_layers = (64, 32, 64, 2) if smoke else (2560, 768, 512, 8)
     cfg = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)
     ts = (1, 6) if smoke else (1, 6, 16)
+    ts_all = (1, 6, 16)  # the router section is cheap: T = 16 (NP past the fused plan) in the smoke run too
     n_iter, reps = (1, 1) if smoke else (30, 7)
     lines, fails = [], []
 
@@ -169,26 +191,68 @@ def main():
     layers = [make_layer(jax.random.key(10 + l), d, i, e) for l in range(n_layers)]
     expert_b, router_b = 3 * i * d * 2, e * d * 2
 
+    # (3) router variants, alone and with the align plan (what the expert kernels need), per layer in-graph
+    say("\n## router variants (per layer, in-graph over %d layers; floor: router weight %.2f MB bf16 = %.2f µs)"
+        % (n_layers, router_b / 1e6, router_b / bw * 1e6))
+    say("f32 router on bf16 x and weight (the model's path); + plan: the align launch (legacy, T > 1) or the plan "
+        "fused into the select kernel (T·k ≤ 64; T = 16 still takes the sort fallback); ids vs ops.moe.route")
+    say("| T | variant | router µs | router + plan µs | ids equal |")
+    say("|---|---|---|---|---|")
+    glue = loop_over_layers(lambda x, p: x, n_iter * 4)
+    best_router = {}
+    for t in ts_all:
+        xs = [jax.random.normal(jax.random.key(600 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
+        glue_s = timed(glue, layers, xs, reps=reps) / (4 * n_iter * n_layers)
+        with jax.default_matmul_precision("highest"):
+            want = moe_ops.route(xs[0], layers[0]["router"], layers[0]["bias"], **cfg)[1]
+        for name, router in [(n, r) for n, r in ROUTERS.items()] + [("legacy bf16", dict(ROUTERS["legacy"]))]:
+            precision = "bf16" if name.endswith("bf16") else "f32"
+            plain = {k: v for k, v in router.items() if k != "fused_plan"}
+            same = bool((route(xs[0], layers[0]["router"], layers[0]["bias"], precision=precision, **cfg,
+                               **plain)[1] == want).all())
+            alone = lambda x, p, r=plain, pr=precision: (x.astype(F32) + 1e-30 * route(
+                x, p["router"], p["bias"], precision=pr, **cfg, **r)[0].sum()).astype(x.dtype)
+
+            def planned(x, p, r=router, pr=precision):
+                weights, _, plan = route_and_plan(x, p, cfg, r, pr)
+                keep = weights.sum() + (0 if plan is None else plan[1][0])
+                return (x.astype(F32) + 1e-30 * keep).astype(x.dtype)
+
+            per_layer = lambda fn: timed(loop_over_layers(fn, 4 * n_iter), layers, xs, reps=reps) / (
+                4 * n_iter * n_layers) - glue_s
+            sec_alone = per_layer(alone) if name in ("legacy", "default", "legacy bf16") else None
+            sec_plan = per_layer(planned)
+            say(f"| {t} | {name} | {'-' if sec_alone is None else f'{sec_alone * 1e6:.1f}'} | {sec_plan * 1e6:.1f} | "
+                f"{same} |")
+            fails += [] if same else [f"router {name} T={t}"]
+            if same and name not in ("legacy", "legacy bf16") and (t not in best_router or sec_plan < best_router[t][0]):
+                best_router[t] = (sec_plan, name)
+        say(f"T={t}: loop glue {glue_s * 1e6:.1f} µs per layer (subtracted); fastest correct new variant: "
+            f"{best_router[t][1]}")
+
     # (4) whole layers
     say("\n## whole MoE layer (router + routed + shared), per layer, cold weights over %d layers" % n_layers)
-    say("| T | distinct experts | floor µs | XLA gather µs (x floor) | Pallas, model path µs (x floor) | "
-        "Pallas, bf16 router + fused shared µs (x floor) | speed-up vs XLA |")
-    say("|---|---|---|---|---|---|---|")
+    say("previous: LEGACY router in bf16 + align launch + shared fused; model path: f32 router, the fastest variant "
+        "above with its plan, shared fused")
+    say("| T | distinct experts | floor µs | XLA gather µs (x floor) | Pallas previous µs (x floor) | "
+        "Pallas model path µs (x floor) | router variant | speed-up vs previous |")
+    say("|---|---|---|---|---|---|---|---|")
     for t in ts:
         xs = [jax.random.normal(jax.random.key(400 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
         dist = np.mean([len(np.unique(np.asarray(moe_ops.route(x, p["router"], p["bias"], **cfg)[1])))
                         for x, p in zip(xs, layers)])
         floor = ((dist + 1) * expert_b + router_b) / bw
+        best = best_router[t][1]
         res = []
         for fn in (lambda x, p: xla_layer(x, p, cfg),
-                   lambda x, p: pallas_layer(x, p, cfg, tiles=None),
-                   lambda x, p: pallas_layer(x, p, cfg, precision="bf16", fuse_shared=True, tiles=None)):
+                   lambda x, p: pallas_layer(x, p, cfg, ROUTERS["legacy"], precision="bf16"),
+                   lambda x, p: pallas_layer(x, p, cfg, ROUTERS[best])):
             res.append(timed(loop_over_layers(fn, n_iter), layers, xs, reps=reps) / (n_iter * n_layers))
         say(f"| {t} | {dist:.1f} | {floor * 1e6:.1f} | {res[0] * 1e6:.1f} ({res[0] / floor:.2f}x) | "
-            f"{res[1] * 1e6:.1f} ({res[1] / floor:.2f}x) | {res[2] * 1e6:.1f} ({res[2] / floor:.2f}x) | "
-            f"{res[0] / res[2]:.2f}x |")
+            f"{res[1] * 1e6:.1f} ({res[1] / floor:.2f}x) | {res[2] * 1e6:.1f} ({res[2] / floor:.2f}x) | {best} | "
+            f"{res[1] / res[2]:.2f}x |")
 
-    # (3) tile sweep, experts alone (routing from the reference, shared not included)
+    # (5) tile sweep, experts alone (routing from the reference, shared not included)
     say("\n## fused_experts tile sweep (routed experts only; floor = distinct × 11.80 MB); the table above used the defaults bn_up=32, bk_up=256, bn_down=64, stages=3")
     sweep = [dict(bn_up=16, bk_up=256, bn_down=64, stages=3), dict(bn_up=32, bk_up=256, bn_down=64, stages=3),
              dict(bn_up=64, bk_up=128, bn_down=64, stages=3)]  # bk_up=512 at 4 stages overflowed shared memory
@@ -210,23 +274,6 @@ def main():
             say(f"T={t} {tiles}: {sec * 1e6:.1f} us, {floor / sec * 100:.0f}% of floor {floor * 1e6:.1f} us")
             if t not in best or sec < best[t][0]:
                 best[t] = (sec, tiles)
-
-    # (5) align and router alone
-    say("\n## align and router alone (per call, in-graph; floor: router weight 2.62 MB bf16)")
-    for t in ts[:2]:
-        ex = jax.random.randint(jax.random.key(500 + t), (t, 8), 0, e, jnp.int32)
-        fn = jax.jit(lambda ex: jax.lax.fori_loop(0, 100 * n_iter, lambda _, z: jnp.where(moe_align(
-            ex + z, block_m=16)[1][0] < -5, 1, 0), jnp.int32(0)))  # z stays 0, unknown to XLA
-        sec = timed(fn, ex, reps=reps) / (100 * n_iter)
-        xs = [jax.random.normal(jax.random.key(600 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
-        rt = {}
-        for name, rfn in [("xla", lambda x, p: moe_ops.route(x, p["router"], p["bias"], **cfg)),
-                          ("pallas f32", lambda x, p: route(x, p["router"], p["bias"], **cfg)),
-                          ("pallas bf16", lambda x, p: route(x, p["router"], p["bias"], precision="bf16", **cfg))]:
-            lf = lambda x, p, rfn=rfn: (x.astype(F32) + rfn(x, p)[0].sum() * 1e-30).astype(x.dtype)
-            rt[name] = timed(loop_over_layers(lf, n_iter), layers, xs, reps=reps) / (n_iter * n_layers)
-        say(f"T={t}: align {sec * 1e6:.2f} us (+ a scalar add); router " +
-            ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in rt.items()) + f" (floor {router_b / bw * 1e6:.2f} us)")
 
     glue = loop_over_layers(lambda x, p: x, n_iter)
     say(f"\nloop glue alone (the 1e-30 input update per layer): {timed(glue, layers, xs, reps=reps) / (n_iter * n_layers) * 1e6:.1f} us")

@@ -10,9 +10,9 @@ import lingjax
 from conftest import fixture_dirs, key_for, rel_err
 from lingjax import kernels
 from lingjax.ops import moe
-from lingjax.pallas.moe_align import PAIR_LIMIT, align_reference, moe_align
+from lingjax.pallas.moe_align import BLOCK_M, PAIR_LIMIT, align_reference, moe_align, router_plans
 from lingjax.pallas.moe_experts import fused_experts
-from lingjax.pallas.moe_router import route
+from lingjax.pallas.moe_router import LEGACY, route
 
 D, I, E = 64, 32, 16
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -79,28 +79,77 @@ def _router_inputs(t, d, e):
             0.1 * jax.random.normal(ks[2], (e,)))
 
 
+VARIANTS = {"default": {}, "legacy": LEGACY, "ks=2 select 4 warps": dict(k_splits=2, select_warps=4)}
+FLASH_ROUTING = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)
+
+
+def _check_route(x, w, b, cfg, precision="f32", variants=VARIANTS):
+    """Every router variant equals the reference: the same ids in the same (lax.top_k) order, weights to 1e-5;
+    route(..., plan_block_m=) also returns, where the router builds it, the plan equal to the sort-based align.
+    precision="bf16" rounds x and W to bf16 (products then exact in f32): it equals the reference on the rounded
+    inputs (against the f32 reference, logits move ~1e-2 relative and near-tied experts may swap)."""
+    if precision == "bf16":
+        rounded = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
+        w_ref, e_ref = moe.route(rounded(x), rounded(w), b, **cfg)
+    else:
+        w_ref, e_ref = moe.route(x, w, b, **cfg)
+    for name, kw in variants.items():
+        weights, experts = route(x, w, b, precision=precision, **cfg, **kw)
+        np.testing.assert_array_equal(experts, e_ref, err_msg=name)
+        assert rel_err(weights, w_ref) <= 1e-5, name
+    w_plan, e_plan, plan = route(x, w, b, precision=precision, plan_block_m=BLOCK_M, **cfg)
+    np.testing.assert_array_equal(e_plan, e_ref)
+    assert rel_err(w_plan, w_ref) <= 1e-5
+    t, k = e_ref.shape
+    if not router_plans(t, k):
+        assert plan is None
+        return
+    ids, blk, _, meta = align_reference(e_ref, BLOCK_M, plan[1].shape[0])
+    for got, want in zip(plan, (ids, blk, meta)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
 @pytest.mark.parametrize("t,d,e,g,tg,k,renorm,scaling", ROUTER_CASES)
-def test_router_f32_matches_reference(t, d, e, g, tg, k, renorm, scaling):
-    x, w, b = _router_inputs(t, d, e)
+def test_router_matches_reference(t, d, e, g, tg, k, renorm, scaling, precision):
     cfg = dict(top_k=k, n_group=g, topk_group=tg, scaling=scaling, renormalize=renorm)
-    weights, experts = route(x, w, b, **cfg)
-    w_ref, e_ref = moe.route(x, w, b, **cfg)
-    np.testing.assert_array_equal(experts, e_ref)  # same ids in the same (lax.top_k) order
-    assert rel_err(weights, w_ref) <= 1e-5
-    assert np.array_equal(route(x, w, b, k_splits=2, **cfg)[1], e_ref)
+    _check_route(*_router_inputs(t, d, e), cfg, precision)
 
 
-@pytest.mark.parametrize("t,d,e,g,tg,k,renorm,scaling", ROUTER_CASES[:2] + ROUTER_CASES[3:])
-def test_router_bf16_is_exact_routing_of_rounded_inputs(t, d, e, g, tg, k, renorm, scaling):
-    """precision="bf16" rounds x and W to bf16 (products then exact in f32): it equals the reference on the
-    rounded inputs; against the f32 reference, logits move ~1e-2 relative and near-tied experts may swap."""
-    x, w, b = _router_inputs(t, d, e)
-    cfg = dict(top_k=k, n_group=g, topk_group=tg, scaling=scaling, renormalize=renorm)
-    weights, experts = route(x, w, b, precision="bf16", **cfg)
-    rounded = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
-    w_ref, e_ref = moe.route(rounded(x), rounded(w), b, **cfg)
-    np.testing.assert_array_equal(experts, e_ref)
-    assert rel_err(weights, w_ref) <= 1e-5
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+@pytest.mark.parametrize("t", [1, 6, 16])
+def test_router_flash_routing(t, precision):
+    """Flash's routing shape (512 experts, 8 groups / top-4, top-8) on a short D."""
+    _check_route(*_router_inputs(t, 128, 512), FLASH_ROUTING, precision)
+
+
+@pytest.mark.parametrize("t", [1, 6, 8])
+def test_router_ties_resolve_to_lower_index(t):
+    """Experts in duplicated pairs (same weight row, same bias) tie exactly at every stage: group top-2 sums, the
+    kept groups, the top-k; ids and order must still match lax.top_k's (lower index first), plan included."""
+    d, e = 64, 64
+    ks = jax.random.split(key_for("ties", t), 3)
+    w = jnp.repeat(jax.random.normal(ks[0], (e // 2, d)) / d**0.5, 2, axis=0)  # experts 2i and 2i+1 identical
+    b = jnp.repeat(0.1 * jax.random.normal(ks[1], (e // 2,)), 2)
+    _check_route(jax.random.normal(ks[2], (t, d)), w, b, FLASH_ROUTING)
+
+
+@pytest.mark.parametrize("t", [6, 16])
+def test_router_every_token_same_experts(t):
+    """Identical tokens choose identical experts: the fused plan puts all T pairs of an expert in one bucket;
+    a zero router ties every expert (all scores 0.5), so the bias alone decides, then the lower index."""
+    x, w, b = _router_inputs(t, 128, 512)
+    same = jnp.broadcast_to(x[:1], x.shape)
+    _check_route(same, w, b, FLASH_ROUTING)
+    _check_route(same, jnp.zeros_like(w), jnp.zeros_like(b), FLASH_ROUTING)
+
+
+def test_router_f32_on_bf16_operands_is_exact():
+    """precision="f32" with a bf16 x and weight runs on the tensor cores (exact products, f32 sums); on the
+    IEEE path (tensor_core_f32=False) too, the routing equals the f32 reference on the same bf16 values."""
+    x, w, b = _router_inputs(6, 256, 512)
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    _check_route(x, w, b, FLASH_ROUTING, variants=dict(VARIANTS, ieee=dict(tensor_core_f32=False)))
 
 
 def _expert_inputs(t, k, dtype, tag=""):
@@ -124,6 +173,10 @@ def test_fused_experts_match_gathered(t, dtype):
         got = fused_experts(x, wg, wu, wd, weights, experts, limit, y_init=poison)
         assert got.dtype == jnp.float32 and got.shape == (t, D)
         assert rel_err(got, want) <= TOL[dtype]  # rel_err also fails on any NaN
+        if router_plans(t, k):  # the plan as the router's select kernel hands it over
+            ids, blk, _, meta = moe_align(experts, block_m=BLOCK_M)
+            planned = fused_experts(x, wg, wu, wd, weights, experts, limit, plan=(ids, blk, meta), y_init=poison)
+            np.testing.assert_array_equal(planned, got)
 
 
 def test_fused_experts_single_token_plan_with_repeated_experts():

@@ -9,6 +9,9 @@ expert's bucket and the bucket's size; a bucket's rank-0 pair is its representat
 size and bucket-ordered exclusive offset place every pair; the published total and the expert of
 every block follow from the representatives alone. Buckets are ordered by expert id, so the result
 is bit-identical to the sort-based reference `align_reference` (also the fallback for NP > 64).
+The same code (`align_pairs`) runs inside the router's select kernel on the ids it has just chosen
+(route(..., plan_block_m=)), which is how the model's batch-1 path gets its plan without this launch; at
+T = 1 the expert kernels need no plan at all (router_plans).
 
 Outputs (S = n_blocks · block_m slots, padding slots hold the sentinel NP):
   sorted_ids [S] int32    pair index (token·k + slot) in each slot
@@ -30,6 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 from lingjax.pallas import resolve_interpret
 
 PAIR_LIMIT = 64  # the [NP, NP] comparison runs in one program up to here; larger NP sorts
+BLOCK_M = 16  # rows per block of the expert GEMMs (the Triton dot minimum); ≥ T keeps each expert in one block
 _I32 = jnp.int32
 
 
@@ -37,6 +41,13 @@ def n_blocks_for(num_pairs: int, block_m: int, num_experts: int | None = None) -
     """Static upper bound on used blocks: Σ ceil(c_b / bm) ≤ (NP + buckets·(bm−1)) / bm, and ≤ NP."""
     buckets = num_pairs if num_experts is None else min(num_experts, num_pairs)
     return max(1, min(num_pairs, (num_pairs + buckets * (block_m - 1)) // block_m))
+
+
+def router_plans(num_tokens: int, top_k: int) -> bool:
+    """Whether the router's select kernel builds the align plan for the expert kernels: not at T = 1 (one token's
+    k pairs are k distinct experts; the expert kernels take them in slot order, moe_experts._single_token_plan),
+    and only while NP fits the pair kernel (past PAIR_LIMIT the expert kernels sort pairs themselves)."""
+    return num_tokens > 1 and num_tokens * top_k <= PAIR_LIMIT
 
 
 def align_reference(experts: jax.Array, block_m: int, n_blocks: int | None = None):
@@ -64,14 +75,14 @@ def align_reference(experts: jax.Array, block_m: int, n_blocks: int | None = Non
     return sorted_ids, block_expert.astype(_I32), pos, meta
 
 
-def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m, chunk):
-    # e_ref: [NPP] int32 expert per pair (NPP = NP padded to a power of 2; tail ignored)
-    # ids_ref: [S] int32; blk_ref: [NB] int32; pos_ref: [NPP] int32; meta_ref: [2] int32
-    npp = e_ref.shape[0]
+def align_pairs(e, valid, *, npairs, block_m, chunk, ids_ref, blk_ref, meta_ref, pos_ref=None):
+    """The pair-axis align on values already in registers (shared by this module's kernel and the router's
+    select kernel, which holds every chosen id). e, valid: [NPP] int32 / bool (expert per pair, and whether
+    the pair exists); writes ids_ref [S], blk_ref [NB], meta_ref [2] and, if given, pos_ref [NPP]."""
+    npp = e.shape[0]
     i = jax.lax.broadcasted_iota(_I32, (npp, npp), 0)  # this pair
     j = jax.lax.broadcasted_iota(_I32, (npp, npp), 1)  # the other pair
-    valid = jnp.arange(npp, dtype=_I32) < npairs
-    e = jnp.where(valid, e_ref[...], jnp.iinfo(_I32).max)  # [NPP]
+    e = jnp.where(valid, e, jnp.iinfo(_I32).max)
     ei, ej = e[:, None], e[None, :]
     same = (ei == ej) & valid[:, None] & valid[None, :]
     rank = jnp.where(same & (j < i), 1, 0).sum(axis=1)  # stable rank inside the bucket
@@ -82,7 +93,8 @@ def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m
     offset = jnp.where(rep[None, :] & (ej < ei), padded[None, :], 0).sum(axis=1)
     pos = jnp.where(valid, offset + rank, 0)
     total = jnp.where(rep, padded, 0).sum()
-    pos_ref[...] = pos
+    if pos_ref is not None:
+        pos_ref[...] = pos
     meta_ref[...] = jnp.where(jnp.arange(2, dtype=_I32) == 0, total, total // block_m)
 
     # Every block's expert: the representative whose padded range holds the block's first slot.
@@ -104,8 +116,22 @@ def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m
     jax.lax.fori_loop(0, ids_ref.shape[0] // chunk, fill, 0)
 
 
+def align_shapes(npairs: int, block_m: int, n_blocks: int | None = None) -> tuple[int, int]:
+    """(NB, S) of the pair-axis kernel's outputs: blocks padded to a power of 2, S = NB · block_m."""
+    nb = pl.next_power_of_2(n_blocks or n_blocks_for(npairs, block_m))
+    return nb, nb * block_m
+
+
+def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m, chunk):
+    # e_ref: [NPP] int32 expert per pair (NPP = NP padded to a power of 2; tail ignored)
+    # ids_ref: [S] int32; blk_ref: [NB] int32; pos_ref: [NPP] int32; meta_ref: [2] int32
+    valid = jnp.arange(e_ref.shape[0], dtype=_I32) < npairs
+    align_pairs(e_ref[...], valid, npairs=npairs, block_m=block_m, chunk=chunk, ids_ref=ids_ref, blk_ref=blk_ref,
+                meta_ref=meta_ref, pos_ref=pos_ref)
+
+
 @functools.partial(jax.jit, static_argnames=("block_m", "n_blocks", "chunk", "num_warps", "interpret"))
-def moe_align(experts, *, block_m=16, n_blocks=None, chunk=128, num_warps=4, interpret=None):
+def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, chunk=128, num_warps=4, interpret=None):
     """Pair-axis moe_align, one launch; NP > PAIR_LIMIT falls back to `align_reference`.
 
     experts: [T, k] int32. Returns (sorted_ids [S], block_expert [NB], pos [NP], meta [2]); S and NB may be
@@ -117,8 +143,7 @@ def moe_align(experts, *, block_m=16, n_blocks=None, chunk=128, num_warps=4, int
     if npairs > PAIR_LIMIT:
         return align_reference(experts, block_m, n_blocks)
     npp = pl.next_power_of_2(npairs)
-    nb = pl.next_power_of_2(n_blocks or n_blocks_for(npairs, block_m))
-    slots = nb * block_m
+    nb, slots = align_shapes(npairs, block_m, n_blocks)
     chunk = min(chunk, slots)
     if npp != npairs:
         flat = jnp.pad(flat, (0, npp - npairs))

@@ -2,18 +2,29 @@
 
 Two launches, both tiny:
   1. Gate GEMV, grid (E tile, K split, token block): partial logits [KS, T, E] f32. Reading the 2.6 MB
-     router weight at full bandwidth needs many CTAs, which is why the GEMV is not folded into the
-     selection (the seed write-up reached the same stopping point: folding it collapses parallelism).
-  2. Selection, one program per token: sum the K-split partials, sigmoid, add the bias for selection
-     only, top-2 sum per group, keep the top `topk_group` groups, top-k experts, weights from the raw
-     scores, renormalise, scale.
+     router weight at full bandwidth needs many CTAs in flight at once: the default K split of 5 gives
+     32 × 5 = 160 programs of one 16 KB tile each (k_splits=1 gave 32 programs streaming 80 KB).
+  2. Selection, the logits of `tb` tokens per program (select="vector", the default): sum the K-split
+     partials, sigmoid, add the bias for selection only, top-2 sum per group, keep the top `topk_group`
+     groups, top-k experts, weights from the raw scores, renormalise, scale. With `plan_block_m` at 1 < T
+     and T·k ≤ 64, one program holds every token and also runs the pair-axis align
+     (moe_align.align_pairs) on the ids it chose, so the expert kernels need no align launch.
+     select="serial" is the first version (one program per token, ~28 full-width argmax passes, each a
+     cross-warp reduction), kept for the bench's comparison (LEGACY).
 Ties resolve to the lower index at every stage, as `jax.lax.top_k` does, and experts come out in the
 reference's order (descending biased score).
 
-precision="f32" (default, parity): x and the weight are upcast and the dot is IEEE f32; with a bf16
-checkpoint this reads the same 2.6 MB as "bf16". precision="bf16" rounds x (and an f32 weight) to bf16
-and uses the tensor cores with f32 accumulation — the seed's declared rounding change; logits then
-differ by ~1e-2 relative and near-tied experts may swap.
+Not folded into one launch: the selection needs every program's logits, i.e. a grid-wide "last program
+does the selection" handshake (atomic counter). Pallas' atomic_add lowers to an acq_rel gpu-scope
+tt.atomic_rmw issued by one thread, but nothing orders the other threads' logit stores before it (that
+needs a CTA barrier between the stores and the atomic, which Pallas cannot place), and the counter would
+need a zeroing node per call; an ordering race that interpret mode cannot show was not worth ~2 µs.
+
+precision="f32" (default, parity): the dot is exact-product f32. With bf16 x and weight (a bf16
+checkpoint) every product is exact in f32, so it runs on the tensor cores with f32 accumulation (same
+result up to summation order, as any f32 GEMV); with f32 operands Triton's IEEE f32 dot (no tensor
+cores, 16 padded token rows of FMAs). precision="bf16" rounds x (and an f32 weight) to bf16 — the seed's
+declared rounding change; logits then differ by ~1e-2 relative and near-tied experts may swap.
 """
 
 from __future__ import annotations
@@ -29,19 +40,23 @@ from jax.experimental.pallas import triton as pltriton
 from lingjax.pallas import resolve_interpret
 
 from lingjax.ops.moe import route as route_reference  # the reference
+from lingjax.pallas.moe_align import align_pairs, align_shapes, n_blocks_for, router_plans
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))
 
+# The first version's kernels (measured in bench/results/moe_h200_2026-11-29.md): the bench times them
+# against the defaults.
+LEGACY = dict(k_splits=1, bk=512, select="serial", select_warps=4, tensor_core_f32=False)
 
-def _gemv_kernel(x_ref, w_ref, p_ref, *, bt, be, bk, k_per_split, exact):
+
+def _gemv_kernel(x_ref, w_ref, p_ref, *, bt, be, bk, k_per_split, dtype):
     # x_ref [T, D]; w_ref [E, D]; p_ref [KS, T, E] f32 partial logits
     ei, si, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t = x_ref.shape[0]
     rows = jnp.minimum(ti * bt + jnp.arange(bt), t - 1)  # [BT] clamped: tail rows repeat the last token
     cols = pl.ds(ei * be, be)
-    dtype = F32 if exact else jnp.bfloat16
-    prec = jax.lax.Precision.HIGHEST if exact else None
+    prec = jax.lax.Precision.HIGHEST if dtype == F32 else None
 
     def step(kk, acc):
         ks = pl.ds(pl.multiple_of(si * k_per_split + kk * bk, bk), bk)
@@ -60,7 +75,8 @@ def _argmax_untaken(v, taken, idx, n):
     return jnp.min(jnp.where((v == m) & ~taken, idx, n))
 
 
-def _select_kernel(p_ref, b_ref, w_ref, e_ref, *, n_group, topk_group, top_k, scaling, renormalize):
+def _select_serial_kernel(p_ref, b_ref, w_ref, e_ref, *, n_group, topk_group, top_k, scaling, renormalize):
+    # LEGACY: one token per program, one full-width argmax (a max and a min) per chosen element.
     # p_ref [KS, T, E] f32; b_ref [E] f32; w_ref [T, k] f32; e_ref [T, k] int32
     t = pl.program_id(0)
     n_exp = p_ref.shape[2]
@@ -101,45 +117,144 @@ def _select_kernel(p_ref, b_ref, w_ref, e_ref, *, n_group, topk_group, top_k, sc
     e_ref[t, :] = ids
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("top_k", "n_group", "topk_group", "scaling", "renormalize", "precision", "be", "bk",
-                     "k_splits", "bt", "warps", "stages", "interpret"),
-)
-def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize, precision="f32", be=16,
-          bk=512, k_splits=1, bt=16, warps=4, stages=3, interpret=None):
-    """Same as lingjax.ops.moe.route: x [T, D], router_w [E, D], bias [E] -> (weights [T, k] f32, experts
-    [T, k] int32)."""
-    if precision not in ("f32", "bf16"):
-        raise ValueError(f"precision must be 'f32' or 'bf16', got {precision!r}")
-    interpret = resolve_interpret(interpret)
+def _select_rows(logits, bias, *, n_group, topk_group, top_k, scaling, renormalize):
+    """Routing of a block of tokens: logits [TB, E] f32, bias [E] f32 -> (weights [TB, k] f32, ids [TB, k] int32),
+    each row as lingjax.ops.moe.route. Each reduction sits on the critical path of a one-program kernel, so
+    there are few, and all groups share them: the two largest of every group in one [TB, G, E/G] pass
+    (argmax, then the max of the rest), the kept groups by rank (one [TB, G, G] count, no reduction over E),
+    then k argmax passes over the kept experts. lax.argmax breaks ties to the lower index, as lax.top_k."""
+    tb, n_exp = logits.shape
+    gsize = n_exp // n_group
+    scores = 1.0 / (1.0 + jnp.exp(-logits))  # sigmoid, f32
+    sel = scores + bias[None, :]  # bias steers selection only
+    sel3 = sel.reshape(tb, n_group, gsize)
+    first = jax.lax.argmax(sel3, 2, jnp.int32)  # [TB, G]
+    j3 = jax.lax.broadcasted_iota(jnp.int32, (tb, n_group, gsize), 2)
+    second = jnp.max(jnp.where(j3 == first[:, :, None], -jnp.inf, sel3), axis=2)
+    gscore = jnp.max(sel3, axis=2) + second  # top-2 sum per group, [TB, G], summed in lax.top_k's order
+    me, other = gscore[:, :, None], gscore[:, None, :]
+    gi = jax.lax.broadcasted_iota(jnp.int32, (tb, n_group, n_group), 1)
+    go = jax.lax.broadcasted_iota(jnp.int32, (tb, n_group, n_group), 2)
+    beaten = (other > me) | ((other == me) & (go < gi))  # groups ranked ahead of this one
+    keep = jnp.sum(jnp.where(beaten, 1, 0), axis=2) < topk_group  # [TB, G]
+    masked = jnp.where(keep[:, :, None], sel3, -jnp.inf).reshape(tb, n_exp)
+
+    eidx = jax.lax.broadcasted_iota(jnp.int32, (tb, n_exp), 1)
+    kidx = jax.lax.broadcasted_iota(jnp.int32, (tb, top_k), 1)
+    ids, wts = jnp.zeros((tb, top_k), jnp.int32), jnp.zeros((tb, top_k), F32)
+    for j in range(top_k):
+        i = jax.lax.argmax(masked, 1, jnp.int32)  # [TB]
+        hit = eidx == i[:, None]
+        ids = jnp.where(kidx == j, i[:, None], ids)
+        wts = jnp.where(kidx == j, jnp.sum(jnp.where(hit, scores, 0.0), axis=1)[:, None], wts)  # raw score
+        masked = jnp.where(hit, -jnp.inf, masked)
+    if renormalize:
+        wts = wts / (jnp.sum(wts, axis=1)[:, None] + 1e-20)
+    return wts * scaling, ids
+
+
+def _select_kernel(p_ref, b_ref, w_ref, e_ref, *plan_refs, tb, npairs, block_m, chunk, **cfg):
+    # p_ref [KS, T, E] f32 partial logits; b_ref [E] f32; w_ref [T, k] f32; e_ref [T, k] int32;
+    # plan_refs (fused align, one program holds every token): ids_ref [S], blk_ref [NB], meta_ref [2] int32
+    ks, t, _ = p_ref.shape
+    rows = jnp.minimum(pl.program_id(0) * tb + jnp.arange(tb, dtype=jnp.int32), t - 1)  # tail repeats token T-1
+    logits = p_ref[0, rows, :]
+    for s in range(1, ks):
+        logits = logits + p_ref[s, rows, :]
+    wts, ids = _select_rows(logits, b_ref[...], **cfg)
+    w_ref[rows, :] = wts  # repeated rows store the same values
+    e_ref[rows, :] = ids
+    if plan_refs:
+        ids_ref, blk_ref, meta_ref = plan_refs
+        flat = ids.reshape(-1)  # pair p = token·k + slot; the repeated tail rows are pairs ≥ NP
+        valid = jnp.arange(flat.shape[0], dtype=jnp.int32) < npairs
+        align_pairs(flat, valid, npairs=npairs, block_m=block_m, chunk=chunk, ids_ref=ids_ref, blk_ref=blk_ref,
+                    meta_ref=meta_ref)
+
+
+def _divisor(n: int, want: int) -> int:
+    """Largest d ≤ want dividing n (the test dims are not multiples of the Flash tiles)."""
+    return next(d for d in range(min(want, n), 0, -1) if n % d == 0)
+
+
+def _gemv(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt, warps, stages, interpret):
+    """Partial logits [KS, T, E] f32."""
     t, d = x.shape
     n_exp = router_w.shape[0]
+    k_splits = _divisor(d, k_splits)
     k_per_split = d // k_splits
-    bk = min(bk, k_per_split)
-    while k_per_split % bk:
-        bk //= 2
-    be = min(be, n_exp)
-    while n_exp % be:
-        be //= 2
-    params = None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages)
-    partial = pl.pallas_call(
-        functools.partial(_gemv_kernel, bt=bt, be=be, bk=bk, k_per_split=k_per_split, exact=precision == "f32"),
+    bk = _divisor(k_per_split, bk)
+    be = _divisor(n_exp, be)
+    exact_in_bf16 = tensor_core_f32 and x.dtype == router_w.dtype == jnp.bfloat16  # products exact in f32
+    dtype = F32 if precision == "f32" and not exact_in_bf16 else jnp.bfloat16
+    return pl.pallas_call(
+        functools.partial(_gemv_kernel, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype),
         out_shape=jax.ShapeDtypeStruct((k_splits, t, n_exp), F32),
         grid=(n_exp // be, k_splits, pl.cdiv(t, bt)),
-        compiler_params=params,
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="moe_router_gemv",
     )(x, router_w)
-    return pl.pallas_call(
-        functools.partial(_select_kernel, n_group=n_group, topk_group=topk_group, top_k=top_k,
-                          scaling=float(scaling), renormalize=bool(renormalize)),
-        out_shape=(jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32)),
-        grid=(t,),
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=1),
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("top_k", "n_group", "topk_group", "scaling", "renormalize", "precision", "be", "bk",
+                     "k_splits", "bt", "warps", "stages", "tensor_core_f32", "select", "select_warps",
+                     "plan_block_m", "interpret"),
+)
+def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize, precision="f32", be=16,
+          bk=512, k_splits=5, bt=16, warps=4, stages=3, tensor_core_f32=True, select="vector", select_warps=None,
+          plan_block_m=None, interpret=None):
+    """Same as lingjax.ops.moe.route: x [T, D], router_w [E, D], bias [E] -> (weights [T, k] f32, experts
+    [T, k] int32).
+
+    plan_block_m (select="vector" only): also return, third, the align plan `fused_experts(..., plan=)` takes
+    at that block_m (moe_align's (sorted_ids, block_expert, meta)), built inside the select kernel, which then
+    runs as one program over all tokens; None where the experts need none from here (moe_align.router_plans:
+    T = 1, or NP past the pair kernel's limit). select_warps: default 1 for one token per program (no
+    cross-warp barrier in any reduction), 4 for the fused align's [T, E] and [NP, NP] tiles.
+    """
+    if precision not in ("f32", "bf16"):
+        raise ValueError(f"precision must be 'f32' or 'bf16', got {precision!r}")
+    if select not in ("vector", "serial"):
+        raise ValueError(f"select must be 'vector' or 'serial', got {select!r}")
+    if plan_block_m is not None and select != "vector":
+        raise ValueError("the align plan is built by the vector select kernel only")
+    interpret = resolve_interpret(interpret)
+    t = x.shape[0]
+    n_exp = router_w.shape[0]
+    if topk_group * (n_exp // n_group) < top_k:
+        raise ValueError(f"top_k={top_k} needs at least that many experts in the {topk_group} kept groups")
+    partial = _gemv(x, router_w, precision=precision, tensor_core_f32=tensor_core_f32, be=be, bk=bk,
+                    k_splits=k_splits, bt=bt, warps=warps, stages=stages, interpret=interpret)
+    cfg = dict(n_group=n_group, topk_group=topk_group, top_k=top_k, scaling=float(scaling),
+               renormalize=bool(renormalize))
+    out_shape = [jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32)]
+    npairs = t * top_k
+    fuse = plan_block_m is not None and router_plans(t, top_k)
+    tb = pl.next_power_of_2(t) if fuse else 1  # the fused align needs every token in one program
+    if select == "serial":
+        kernel = functools.partial(_select_serial_kernel, **cfg)
+    else:
+        kernel = functools.partial(_select_kernel, tb=tb, npairs=npairs, block_m=plan_block_m, chunk=128, **cfg)
+    if fuse:
+        nb, slots = align_shapes(npairs, plan_block_m, n_blocks_for(npairs, plan_block_m, n_exp))
+        out_shape += [jax.ShapeDtypeStruct((slots,), jnp.int32), jax.ShapeDtypeStruct((nb,), jnp.int32),
+                      jax.ShapeDtypeStruct((2,), jnp.int32)]
+    if select_warps is None:
+        select_warps = 1 if tb == 1 else 4
+    out = pl.pallas_call(
+        kernel,
+        out_shape=tuple(out_shape),
+        grid=(pl.cdiv(t, tb),),
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=select_warps, num_stages=1),
         interpret=interpret,
-        name="moe_router_select",
+        name="moe_router_select_align" if fuse else "moe_router_select",
     )(partial, bias.astype(F32))
+    if plan_block_m is None:
+        return out
+    return out[0], out[1], (tuple(out[2:]) if fuse else None)
 
 
 if __name__ == "__main__":  # GPU: sweep tiles at Flash size, check ids against the reference, µs vs floor
@@ -152,8 +267,8 @@ if __name__ == "__main__":  # GPU: sweep tiles at Flash size, check ids against 
                  0.1 * jax.random.normal(ks[3 * l + 2], (e,), F32)) for l in range(layers)]
         _, want = route_reference(*sets[0], **cfg)
         floor_us = e * d * 2 / 4.3e12 * 1e6
-        for be, bk, k_splits in [(16, 512, 1), (16, 256, 2), (16, 256, 4), (32, 256, 4)]:
-            kw = dict(be=be, bk=bk, k_splits=k_splits, **cfg)
+        for name, kw in [("legacy", dict(LEGACY, **cfg)), ("default", cfg),
+                         ("ks=10 bk=256", dict(k_splits=10, bk=256, **cfg)), ("select 2 warps", dict(select_warps=2, **cfg))]:
             same = bool((route(*sets[0], **kw)[1] == want).all())
             run = jax.jit(lambda ss, kw=kw: jax.lax.fori_loop(0, 100, lambda _, acc: acc + sum(
                 route(s[0], s[1], s[2] + acc * 0, **kw)[0][0, 0] for s in ss), 0.0))
@@ -161,5 +276,5 @@ if __name__ == "__main__":  # GPU: sweep tiles at Flash size, check ids against 
             t0 = time.perf_counter()
             run(sets).block_until_ready()
             us = (time.perf_counter() - t0) / (100 * layers) * 1e6
-            print(f"router T={t} be={be} bk={bk} ks={k_splits}: ids {'ok' if same else 'DIFFER'}, {us:.1f} us, "
+            print(f"router T={t} {name}: ids {'ok' if same else 'DIFFER'}, {us:.1f} us, "
                   f"{100 * floor_us / us:.0f}% of floor {floor_us:.2f} us")
