@@ -35,10 +35,11 @@ applies the bf16 rounding, so CPU tests see the bf16 path's real error):
     plain tf32's 2^-11 rounding shows as ~5e-4 relative error) and "ieee" (FMA, slow): every dot in f32.
   "tf32": every dot one tf32 pass (~5e-4).
   "bf16" (default when q, k, v are bf16; ~3e-3): as fla's chunk_kda. M, A and the inverse X are formed in
-    tf32 (their inputs carry e^{±40} scale factors, and X's error feeds every later product); X and A are
-    then rounded to bf16, as are W, U, Q', KD and S and V_new where they enter a dot, which is then a bf16
-    tensor-core dot with f32 accumulation. The state S itself, the accumulators, O' (added to the output
-    without a dot) and γ stay f32. The bf16 operands are stored as bf16 (same rounding, half the traffic).
+    tf32 (their inputs carry e^{±40} scale factors, and X's error feeds every later product); X, A, W, U,
+    Q' and KD are stored as bf16 (as fla stores them: half the traffic between the phases), and S and
+    V_new are rounded to bf16 where they enter a dot, so every other dot is a bf16 tensor-core dot with
+    f32 accumulation. The state S itself, the accumulators, O' (added to the output without a dot) and γ
+    stay f32.
 
 Reference: lingjax.ops.kda.kda_chunked (and kda_recurrent).
 """
