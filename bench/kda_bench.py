@@ -31,6 +31,7 @@ P = H * D
 R = 4 if SMALL else 64  # rotating input sets per graph
 TS = (1, 6, 16)
 PREFILL_T = 96 if SMALL else 8192
+PARTS = os.environ.get("KDA_BENCH_PARTS", "chain,prefill").split(",")  # e.g. "prefill": skip the chain sweep
 BUDGET_S = float(os.environ.get("KDA_BENCH_BUDGET_S", 200))  # seconds for the JAX part: optional configs stop
 
 
@@ -253,7 +254,7 @@ def jax_main(out_path):
          (1,)),  # spills from T = 6
         ("hoist+par BV32 w8", dict(block_v=32, num_warps=8, **hp), (1, 6)),  # spills at 16
     ]
-    sweep = [(label, opts, t) for label, opts, ts in variants for t in ts]
+    sweep = [(label, opts, t) for label, opts, ts in variants for t in ts] if "chain" in PARTS else []
     while sweep and not spent(0.6):  # then the other kernels get their turn; the rest of the sweep follows
         run_timed(time_chain, *sweep.pop(0))
 
