@@ -11,7 +11,7 @@ from conftest import key_for, rel_err
 from lingjax.ops import kda
 from lingjax.ops.norms import l2norm
 from lingjax.pallas.kda_chain import kda_chain_verify, kda_commit, kda_commit_reference
-from lingjax.pallas.kda_prefill import kda_chunked_prefill
+from lingjax.pallas.kda_prefill import default_precision, kda_chunked_prefill
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
@@ -147,7 +147,7 @@ def _recurrence_tol(chunk):
 
 # Relative to the reference's max (interpret mode computes every dot in f32). Shapes cover T below one
 # chunk, T not a multiple of the chunk (padded inside), odd head counts, one and several 16-row
-# sub-chunks per chunk, column pieces (block_k < d), state row pieces (state_block_k
+# sub-chunks per chunk, column pieces (block_k, prepare_block_k < d), state row pieces (state_block_k
 # < d), V tiles, and both output forms (fused into the state pass, or a separate pass over the states).
 @pytest.mark.parametrize("t,h,d,kw", [
     (1, 3, 16, dict(chunk=16)),
@@ -155,7 +155,7 @@ def _recurrence_tol(chunk):
     (70, 1, 32, dict(chunk=32, block_k=16, block_v=16, fuse_output=False)),
     (100, 5, 32, dict(chunk=64, block_k=16, state_block_k=16, block_v=16)),
     (64, 2, 32, dict(chunk=64, block_k=32, fuse_output=False)),
-    (33, 3, 64, dict(chunk=32, block_k=32, state_block_k=32, block_v=32)),
+    (33, 3, 64, dict(chunk=32, block_k=32, prepare_block_k=32, state_block_k=32, block_v=32)),
 ])
 def test_chunked_prefill_matches_references(t, h, d, kw):
     for seed in range(2):
@@ -189,12 +189,23 @@ def test_chunked_prefill_padding_rows_leave_state():
     assert rel_err(s, s_ref) <= 1e-5
 
 
-def test_chunked_prefill_bf16_inputs():
-    q, k, v, g, beta, s0 = _prefill_inputs(6, 64, 3, 16)
+# bf16 inputs (q, k, v; g, beta and the state f32 as in the model): by default the bf16 path (fla's
+# roundings, see the module docstring) within bf16's 1e-2; precision="tf32x3" keeps the f32 path's
+# agreement on the same inputs. Covers several sub-chunks per chunk and both output forms with bf16 operands.
+@pytest.mark.parametrize("t,h,d,kw", [
+    (64, 3, 16, dict(chunk=32, block_v=16)),
+    (100, 2, 32, dict(chunk=64, block_k=16, prepare_block_k=16, fuse_output=False)),
+])
+def test_chunked_prefill_bf16_inputs(t, h, d, kw):
+    q, k, v, g, beta, s0 = _prefill_inputs(6, t, h, d)
     args = (q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), g, beta, s0)
-    o, s = kda_chunked_prefill(*args, chunk=32, block_v=16)
-    o_ref, s_ref = kda.kda_recurrent(*(a.astype(jnp.float32) for a in args))
-    assert rel_err(o, o_ref) <= _recurrence_tol(32) and rel_err(s, s_ref) <= _recurrence_tol(32)
+    assert default_precision(*args[:3]) == "bf16" and default_precision(q, k, v) == "tf32x3"
+    o_rec, s_rec = kda.kda_recurrent(*(a.astype(jnp.float32) for a in args))
+    o, s = kda_chunked_prefill(*args, **kw)
+    assert rel_err(o, o_rec) <= TOL[jnp.bfloat16] and rel_err(s, s_rec) <= TOL[jnp.bfloat16]
+    o, s = kda_chunked_prefill(*args, precision="tf32x3", **kw)
+    tol = _recurrence_tol(kw["chunk"])
+    assert rel_err(o, o_rec) <= tol and rel_err(s, s_rec) <= tol
 
 
 def test_model_logits_with_pallas_kda(hf_fixture, monkeypatch):
