@@ -119,9 +119,9 @@ def distinct_experts(model, prompt, window) -> list[int]:
         chosen, route = [], MoE.route
 
         def recording(self, cfg, x, paths):
-            out = route(self, cfg, x, paths)  # (weights, experts, plan)
-            chosen.append(out[1])
-            return out
+            weights, experts = route(self, cfg, x, paths)
+            chosen.append(experts)
+            return weights, experts
 
         MoE.route = recording
         try:

@@ -129,6 +129,9 @@ class KDAAttention(nnx.Module):
         with jax.named_scope("kda_recurrence"):
             if paths.kda_chunked:
                 q, k, v, g, beta, conv = kda_ops.kda_prepare(*args, n_valid, **gate_cfg)
+                # q, k, v at the activations' precision, as the checkpoint's own model feeds fla's chunk_kda
+                # (the Pallas prefill then takes its bf16 path; the state stays f32)
+                q, k, v = (a.astype(x.dtype) for a in (q, k, v))
                 conv = conv.reshape(cache.conv.shape)
                 o, state = paths.op("kda_chunked")(q, k, v, g, beta, cache.state)
             else:  # every row is valid on this path (prefill pads only to chunked sizes)
@@ -202,34 +205,25 @@ class MoE(nnx.Module):
         )
 
     def route(self, cfg: LingConfig, x, paths: Paths):
-        """-> (weights [T, k] f32, experts [T, k] int32, plan): plan is the align plan that the Pallas router
-        builds for the Pallas expert kernels (None on other paths, or where they need none). A method of its own
-        so that nnx.capture(..., method_outputs=nnx.Intermediate) can record the routers' choices."""
-        plans = paths.ex.kernels == "pallas"
-        if plans:
-            from lingjax.pallas.moe_align import BLOCK_M  # the expert kernels' block rows (Pallas stays lazy)
+        """-> (weights [T, k] f32, experts [T, k] int32). A method of its own so that
+        nnx.capture(..., method_outputs=nnx.Intermediate) can record the routers' choices."""
         with jax.named_scope("moe_router"):
-            out = paths.op("moe_route")(
+            return paths.op("moe_route")(
                 x, self.router[...], self.router_bias[...], top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
                 topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor, renormalize=cfg.norm_topk_prob,
-                precision=paths.ex.router_precision, **(dict(plan_block_m=BLOCK_M) if plans else {}),
+                precision=paths.ex.router_precision,
             )
-        return out if plans else (*out, None)
 
     def __call__(self, cfg: LingConfig, x, paths: Paths):
-        weights, experts, plan = self.route(cfg, x, paths)
+        weights, experts = self.route(cfg, x, paths)
         with jax.named_scope("moe_experts"):
             args = (x, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
             shared = self.shared
-            if paths.ex.kernels == "pallas":
-                # the Pallas kernels take the router's align plan, and run the shared expert (when its width
-                # matches) as extra blocks of the same launches
-                kw = dict(plan=plan)
-                if shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]:
-                    kw.update(shared=(shared.gate_proj[...], shared.up_proj[...], shared.down_proj[...]),
-                              shared_limit=shared.limit)
-                    shared = None
-                y = paths.op("moe_experts")(*args, **kw)
+            if paths.ex.kernels == "pallas" and shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]:
+                # the Pallas kernels run the shared expert as extra blocks of the same launches
+                y = paths.op("moe_experts")(*args, shared=(shared.gate_proj[...], shared.up_proj[...],
+                                                           shared.down_proj[...]), shared_limit=shared.limit)
+                shared = None
             else:
                 y = (paths.op("moe_experts") if paths.moe_gathered else moe_ops.experts_sorted)(*args)
         if shared is not None:
