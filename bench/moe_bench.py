@@ -2,10 +2,11 @@
 
 In one process: (1) correctness of the Pallas router, align and experts against lingjax.ops.moe on the GPU;
 (2) the copy bandwidth (a large bf16 read+write) that every byte floor below uses; (3) the router variants
-(ROUTERS) alone and router + align plan, at T in {1, 6, 16}, each checked against the reference; (4) whole
-MoE layers: plain XLA (ops.moe route + experts_gathered + mlp), the previous Pallas path (LEGACY bf16 router,
-align launch, shared expert fused into the expert kernels) and the model's path (f32 router, the fastest
-correct variant of (3) with its fused align plan, shared fused); (5) a tile sweep of fused_experts alone.
+(ROUTERS) alone and router + the align launch the expert kernels need at T > 1, at T in {1, 6, 16}, each
+checked against the reference; (4) whole MoE layers: plain XLA (ops.moe route + experts_gathered + mlp), the
+previous Pallas path (LEGACY bf16 router, shared expert fused into the expert kernels) and the model's path
+(the f32 router with default options, as lingjax.model.MoE calls it; fused_experts makes its own align plan,
+shared fused); (5) a tile sweep of fused_experts alone.
 
 Timing is in-graph: a jitted fori_loop over 8 layers whose weights are distinct arrays (24 GB, so L2 never
 holds them), medians over repeated calls. Each layer's input is a fixed random x plus 1e-30 × the previous
@@ -35,14 +36,13 @@ from lingjax.pallas.moe_router import LEGACY, route
 F32, BF16 = jnp.float32, jnp.bfloat16
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # the Flash clamps of the late layers (ling3_architecture.md §6.3)
 ROUTERS = {  # name -> route() options; "legacy" is the first version, the rest the vector select kernel
-    "legacy": dict(LEGACY, fused_plan=False),
-    "default": {},  # K split 5, be 16, 1 select warp per token, 4 with the fused align
+    "legacy": dict(LEGACY),
+    "default": {},  # K split 5, be 16, 1 select warp per token
     "ks=2 bk=256": dict(k_splits=2, bk=256),
     "ks=10 bk=256": dict(k_splits=10, bk=256),
     "be=32": dict(be=32),
     "select 2 warps": dict(select_warps=2),
     "select 4 warps": dict(select_warps=4),
-    "default, align launch": dict(fused_plan=False),
 }
 
 
@@ -70,25 +70,12 @@ def xla_layer(x, p, cfg):
     return (y + moe_ops.mlp(x, p["sg"], p["su"], p["sd"], SHARED_LIMIT)).astype(x.dtype)
 
 
-def route_and_plan(x, p, cfg, router, precision="f32", interpret=None):
-    """Routing and the experts' align plan as fused_experts would get it: from the select kernel where the router
-    builds it (router option fused_plan, default True), else the align launch (none at T = 1)."""
-    kw = dict(router, precision=precision, interpret=interpret, **cfg)
-    if kw.pop("fused_plan", True):
-        weights, experts, plan = route(x, p["router"], p["bias"], plan_block_m=BLOCK_M, **kw)
-    else:
-        (weights, experts), plan = route(x, p["router"], p["bias"], **kw), None
-    if plan is None and x.shape[0] > 1:
-        ids, blk, _, meta = moe_align(experts, block_m=BLOCK_M, interpret=interpret)
-        plan = ids, blk, meta
-    return weights, experts, plan
-
-
 def pallas_layer(x, p, cfg, router, precision="f32", tiles=None, interpret=None):
-    """The Pallas layer with the shared expert fused into the expert kernels (as the model runs it)."""
-    weights, experts, plan = route_and_plan(x, p, cfg, router, precision, interpret)
+    """The Pallas layer with the shared expert fused into the expert kernels (as the model runs it); fused_experts
+    makes its own align plan (an align launch at T > 1, none at T = 1)."""
+    weights, experts = route(x, p["router"], p["bias"], precision=precision, interpret=interpret, **cfg, **router)
     y = fused_experts(x, p["wg"], p["wu"], p["wd"], weights, experts, LIMIT, shared=(p["sg"], p["su"], p["sd"]),
-                      shared_limit=SHARED_LIMIT, plan=plan, interpret=interpret, **(tiles or {}))
+                      shared_limit=SHARED_LIMIT, interpret=interpret, **(tiles or {}))
     return y.astype(x.dtype)
 
 
@@ -120,7 +107,7 @@ def main():
     d, i, e, n_layers = (64, 32, 64, 2) if smoke else (2560, 768, 512, 8)
     cfg = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)
     ts = (1, 6) if smoke else (1, 6, 16)
-    ts_all = (1, 6, 16)  # the router section is cheap: T = 16 (NP past the fused plan) in the smoke run too
+    ts_all = (1, 6, 16)  # the router section is cheap: T = 16 (NP past the pair-axis align) in the smoke run too
     n_iter, reps = (1, 1) if smoke else (30, 7)
     lines, fails = [], []
 
@@ -191,12 +178,13 @@ def main():
     layers = [make_layer(jax.random.key(10 + l), d, i, e) for l in range(n_layers)]
     expert_b, router_b = 3 * i * d * 2, e * d * 2
 
-    # (3) router variants, alone and with the align plan (what the expert kernels need), per layer in-graph
+    # (3) router variants, alone and with the align launch (what the expert kernels need at T > 1), in-graph
     say("\n## router variants (per layer, in-graph over %d layers; floor: router weight %.2f MB bf16 = %.2f µs)"
         % (n_layers, router_b / 1e6, router_b / bw * 1e6))
-    say("f32 router on bf16 x and weight (the model's path); + plan: the align launch (legacy, T > 1) or the plan "
-        "fused into the select kernel (T·k ≤ 64; T = 16 still takes the sort fallback); ids vs ops.moe.route")
-    say("| T | variant | router µs | router + plan µs | ids equal |")
+    say("f32 router on bf16 x and weight (the model's path); + align launch: moe_align on the router's ids, as "
+        "fused_experts runs it at T > 1 (pair-axis kernel for T·k ≤ 64; T = 16 takes the sort fallback); none at "
+        "T = 1; ids vs ops.moe.route")
+    say("| T | variant | router µs | router + align launch µs | ids equal |")
     say("|---|---|---|---|---|")
     glue = loop_over_layers(lambda x, p: x, n_iter * 4)
     best_router = {}
@@ -207,49 +195,47 @@ def main():
             want = moe_ops.route(xs[0], layers[0]["router"], layers[0]["bias"], **cfg)[1]
         for name, router in [(n, r) for n, r in ROUTERS.items()] + [("legacy bf16", dict(ROUTERS["legacy"]))]:
             precision = "bf16" if name.endswith("bf16") else "f32"
-            plain = {k: v for k, v in router.items() if k != "fused_plan"}
             same = bool((route(xs[0], layers[0]["router"], layers[0]["bias"], precision=precision, **cfg,
-                               **plain)[1] == want).all())
-            alone = lambda x, p, r=plain, pr=precision: (x.astype(F32) + 1e-30 * route(
+                               **router)[1] == want).all())
+            alone = lambda x, p, r=router, pr=precision: (x.astype(F32) + 1e-30 * route(
                 x, p["router"], p["bias"], precision=pr, **cfg, **r)[0].sum()).astype(x.dtype)
 
-            def planned(x, p, r=router, pr=precision):
-                weights, _, plan = route_and_plan(x, p, cfg, r, pr)
-                keep = weights.sum() + (0 if plan is None else plan[1][0])
-                return (x.astype(F32) + 1e-30 * keep).astype(x.dtype)
+            def aligned(x, p, r=router, pr=precision):
+                weights, experts = route(x, p["router"], p["bias"], precision=pr, **cfg, **r)
+                blk = moe_align(experts, block_m=BLOCK_M)[1]
+                return (x.astype(F32) + 1e-30 * (weights.sum() + blk[0])).astype(x.dtype)
 
             per_layer = lambda fn: timed(loop_over_layers(fn, 4 * n_iter), layers, xs, reps=reps) / (
                 4 * n_iter * n_layers) - glue_s
-            sec_alone = per_layer(alone) if name in ("legacy", "default", "legacy bf16") else None
-            sec_plan = per_layer(planned)
-            say(f"| {t} | {name} | {'-' if sec_alone is None else f'{sec_alone * 1e6:.1f}'} | {sec_plan * 1e6:.1f} | "
+            sec_alone = per_layer(alone)
+            sec_align = per_layer(aligned) if t > 1 else None
+            say(f"| {t} | {name} | {sec_alone * 1e6:.1f} | {'-' if sec_align is None else f'{sec_align * 1e6:.1f}'} | "
                 f"{same} |")
             fails += [] if same else [f"router {name} T={t}"]
-            if same and name not in ("legacy", "legacy bf16") and (t not in best_router or sec_plan < best_router[t][0]):
-                best_router[t] = (sec_plan, name)
+            if same and name not in ("legacy", "legacy bf16") and (t not in best_router or sec_alone < best_router[t][0]):
+                best_router[t] = (sec_alone, name)
         say(f"T={t}: loop glue {glue_s * 1e6:.1f} µs per layer (subtracted); fastest correct new variant: "
             f"{best_router[t][1]}")
 
     # (4) whole layers
     say("\n## whole MoE layer (router + routed + shared), per layer, cold weights over %d layers" % n_layers)
-    say("previous: LEGACY router in bf16 + align launch + shared fused; model path: f32 router, the fastest variant "
-        "above with its plan, shared fused")
+    say("previous: LEGACY router in bf16 + shared fused; model path: the f32 router with default options (as the "
+        "model calls it) + shared fused; both: fused_experts makes its own align plan (a launch at T > 1)")
     say("| T | distinct experts | floor µs | XLA gather µs (x floor) | Pallas previous µs (x floor) | "
-        "Pallas model path µs (x floor) | router variant | speed-up vs previous |")
-    say("|---|---|---|---|---|---|---|---|")
+        "Pallas model path µs (x floor) | speed-up vs previous |")
+    say("|---|---|---|---|---|---|---|")
     for t in ts:
         xs = [jax.random.normal(jax.random.key(400 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
         dist = np.mean([len(np.unique(np.asarray(moe_ops.route(x, p["router"], p["bias"], **cfg)[1])))
                         for x, p in zip(xs, layers)])
         floor = ((dist + 1) * expert_b + router_b) / bw
-        best = best_router[t][1]
         res = []
         for fn in (lambda x, p: xla_layer(x, p, cfg),
                    lambda x, p: pallas_layer(x, p, cfg, ROUTERS["legacy"], precision="bf16"),
-                   lambda x, p: pallas_layer(x, p, cfg, ROUTERS[best])):
+                   lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"])):
             res.append(timed(loop_over_layers(fn, n_iter), layers, xs, reps=reps) / (n_iter * n_layers))
         say(f"| {t} | {dist:.1f} | {floor * 1e6:.1f} | {res[0] * 1e6:.1f} ({res[0] / floor:.2f}x) | "
-            f"{res[1] * 1e6:.1f} ({res[1] / floor:.2f}x) | {res[2] * 1e6:.1f} ({res[2] / floor:.2f}x) | {best} | "
+            f"{res[1] * 1e6:.1f} ({res[1] / floor:.2f}x) | {res[2] * 1e6:.1f} ({res[2] / floor:.2f}x) | "
             f"{res[1] / res[2]:.2f}x |")
 
     # (5) tile sweep, experts alone (routing from the reference, shared not included)

@@ -9,9 +9,7 @@ expert's bucket and the bucket's size; a bucket's rank-0 pair is its representat
 size and bucket-ordered exclusive offset place every pair; the published total and the expert of
 every block follow from the representatives alone. Buckets are ordered by expert id, so the result
 is bit-identical to the sort-based reference `align_reference` (also the fallback for NP > 64).
-The same code (`align_pairs`) runs inside the router's select kernel on the ids it has just chosen
-(route(..., plan_block_m=)), which is how the model's batch-1 path gets its plan without this launch; at
-T = 1 the expert kernels need no plan at all (router_plans).
+At T = 1 the expert kernels need no plan at all (moe_experts._single_token_plan).
 
 Outputs (S = n_blocks · block_m slots, padding slots hold the sentinel NP):
   sorted_ids [S] int32    pair index (token·k + slot) in each slot
@@ -43,13 +41,6 @@ def n_blocks_for(num_pairs: int, block_m: int, num_experts: int | None = None) -
     return max(1, min(num_pairs, (num_pairs + buckets * (block_m - 1)) // block_m))
 
 
-def router_plans(num_tokens: int, top_k: int) -> bool:
-    """Whether the router's select kernel builds the align plan for the expert kernels: not at T = 1 (one token's
-    k pairs are k distinct experts; the expert kernels take them in slot order, moe_experts._single_token_plan),
-    and only while NP fits the pair kernel (past PAIR_LIMIT the expert kernels sort pairs themselves)."""
-    return num_tokens > 1 and num_tokens * top_k <= PAIR_LIMIT
-
-
 def align_reference(experts: jax.Array, block_m: int, n_blocks: int | None = None):
     """Sort-based moe_align (the reference, and the path for NP > PAIR_LIMIT). experts: [T, k] int32."""
     flat = experts.reshape(-1).astype(_I32)
@@ -76,9 +67,9 @@ def align_reference(experts: jax.Array, block_m: int, n_blocks: int | None = Non
 
 
 def align_pairs(e, valid, *, npairs, block_m, chunk, ids_ref, blk_ref, meta_ref, pos_ref=None):
-    """The pair-axis align on values already in registers (shared by this module's kernel and the router's
-    select kernel, which holds every chosen id). e, valid: [NPP] int32 / bool (expert per pair, and whether
-    the pair exists); writes ids_ref [S], blk_ref [NB], meta_ref [2] and, if given, pos_ref [NPP]."""
+    """The pair-axis align on values already in registers (the body of _align_kernel). e, valid: [NPP] int32 /
+    bool (expert per pair, and whether the pair exists); writes ids_ref [S], blk_ref [NB], meta_ref [2] and, if
+    given, pos_ref [NPP]."""
     npp = e.shape[0]
     i = jax.lax.broadcasted_iota(_I32, (npp, npp), 0)  # this pair
     j = jax.lax.broadcasted_iota(_I32, (npp, npp), 1)  # the other pair

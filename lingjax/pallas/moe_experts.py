@@ -3,9 +3,7 @@
 Replaces `lingjax.ops.moe.experts_gathered` (same arguments, same [T, D] f32 result):
   1. moe_align (lingjax/pallas/moe_align.py) sorts the T·k (token, slot) pairs into blocks of `block_m`
      rows that share one expert (one launch on the pair axis for NP ≤ 64, sort-based above; at T = 1
-     no launch: each pair is its own block, see _single_token_plan). The router's select kernel can
-     build the same plan on the ids it chose (route(..., plan_block_m=), passed here as `plan`), which
-     removes the align launch at 1 < T, T·k ≤ 64.
+     no launch: each pair is its own block, see _single_token_plan).
   2. Up kernel, grid (block, I tile): rows gathered from x by token, gate and up tiles read from the two
      [E, I, D] arrays in the same K loop, h = act(g, u) in f32 and rounded once to x's dtype.
   3. Down kernel, grid (block, D tile): y = h · W_downᵀ in f32, times the pair's routing weight, stored
@@ -147,15 +145,14 @@ def _single_token_plan(experts, block_m: int):
 )
 def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block_m=BLOCK_M, bn_up=32, bk_up=256,
                   bn_down=64, bk_down=256, warps_up=4, warps_down=4, stages=3, shared=None, shared_limit=0.0,
-                  plan=None, interpret=None, y_init=None):
+                  interpret=None, y_init=None):
     """Σ_k w·E_k(x) as [T, D] f32; same arguments and result as `experts_gathered`.
 
     x: [T, D]; w_gate/w_up: [E, I, D]; w_down: [E, D, I] (torch [out, in]); weights: [T, k] f32;
     experts: [T, k] int32. `shared=(w_gate [I, D], w_up [I, D], w_down [D, I])` also runs the shared expert
     (clamped at `shared_limit`) as extra blocks of the same two launches and adds it, unweighted, to the
-    result. `plan=(sorted_ids, block_expert, meta)`: the align of `experts` at `block_m` made by the router
-    (route(..., plan_block_m=block_m)); None: planned here. `y_init` ([NP + 1 (+ T), D] f32, tests only) seeds the output rows so that a row no kernel
-    wrote shows up.
+    result. `y_init` ([NP + 1 (+ T), D] f32, tests only) seeds the output rows so that a row no kernel wrote
+    shows up.
     """
     interpret = resolve_interpret(interpret)
     t, d = x.shape
@@ -167,11 +164,7 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block
     bn_up, bk_up = _tile(i_dim, bn_up), _tile(d, bk_up)
     bn_down, bk_down = _tile(d, bn_down), _tile(i_dim, bk_down)
     n_blocks = n_blocks_for(npairs, block_m, n_exp)
-    if plan is not None:
-        ids, blk, _ = plan
-        if ids.shape[0] != blk.shape[0] * block_m:
-            raise ValueError(f"plan was made for block_m={ids.shape[0] // blk.shape[0]}, not {block_m}")
-    elif t == 1 and n_blocks == top_k:
+    if t == 1 and n_blocks == top_k:
         ids, blk = _single_token_plan(experts, block_m)
     else:
         ids, blk, _, _ = moe_align(experts, block_m=block_m, n_blocks=n_blocks, interpret=interpret)

@@ -4,11 +4,11 @@ Two launches, both tiny:
   1. Gate GEMV, grid (E tile, K split, token block): partial logits [KS, T, E] f32. Reading the 2.6 MB
      router weight at full bandwidth needs many CTAs in flight at once: the default K split of 5 gives
      32 × 5 = 160 programs of one 16 KB tile each (k_splits=1 gave 32 programs streaming 80 KB).
-  2. Selection, the logits of `tb` tokens per program (select="vector", the default): sum the K-split
-     partials, sigmoid, add the bias for selection only, top-2 sum per group, keep the top `topk_group`
-     groups, top-k experts, weights from the raw scores, renormalise, scale. With `plan_block_m` at 1 < T
-     and T·k ≤ 64, one program holds every token and also runs the pair-axis align
-     (moe_align.align_pairs) on the ids it chose, so the expert kernels need no align launch.
+  2. Selection, one token per program (select="vector", the default): sum the K-split partials, sigmoid,
+     add the bias for selection only, top-2 sum per group, keep the top `topk_group` groups, top-k experts,
+     weights from the raw scores, renormalise, scale. Building the experts' align plan in this kernel too
+     (one program over all tokens) was tried and measured slower than router + a separate align launch
+     (T = 6 on the H200: 37.1 vs 27.7 µs, bench/results/moe_h200_2026-11-29_run3.md).
      select="serial" is the first version (one program per token, ~28 full-width argmax passes, each a
      cross-warp reduction), kept for the bench's comparison (LEGACY).
 Ties resolve to the lower index at every stage, as `jax.lax.top_k` does, and experts come out in the
@@ -40,7 +40,6 @@ from jax.experimental.pallas import triton as pltriton
 from lingjax.pallas import resolve_interpret
 
 from lingjax.ops.moe import route as route_reference  # the reference
-from lingjax.pallas.moe_align import align_pairs, align_shapes, n_blocks_for, router_plans
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))
@@ -119,7 +118,7 @@ def _select_serial_kernel(p_ref, b_ref, w_ref, e_ref, *, n_group, topk_group, to
 
 def _select_rows(logits, bias, *, n_group, topk_group, top_k, scaling, renormalize):
     """Routing of a block of tokens: logits [TB, E] f32, bias [E] f32 -> (weights [TB, k] f32, ids [TB, k] int32),
-    each row as lingjax.ops.moe.route. Each reduction sits on the critical path of a one-program kernel, so
+    each row as lingjax.ops.moe.route. Each reduction sits on the critical path of a select program, so
     there are few, and all groups share them: the two largest of every group in one [TB, G, E/G] pass
     (argmax, then the max of the rest), the kept groups by rank (one [TB, G, G] count, no reduction over E),
     then k argmax passes over the kept experts. lax.argmax breaks ties to the lower index, as lax.top_k."""
@@ -153,9 +152,8 @@ def _select_rows(logits, bias, *, n_group, topk_group, top_k, scaling, renormali
     return wts * scaling, ids
 
 
-def _select_kernel(p_ref, b_ref, w_ref, e_ref, *plan_refs, tb, npairs, block_m, chunk, **cfg):
-    # p_ref [KS, T, E] f32 partial logits; b_ref [E] f32; w_ref [T, k] f32; e_ref [T, k] int32;
-    # plan_refs (fused align, one program holds every token): ids_ref [S], blk_ref [NB], meta_ref [2] int32
+def _select_kernel(p_ref, b_ref, w_ref, e_ref, *, tb, **cfg):
+    # p_ref [KS, T, E] f32 partial logits; b_ref [E] f32; w_ref [T, k] f32; e_ref [T, k] int32
     ks, t, _ = p_ref.shape
     rows = jnp.minimum(pl.program_id(0) * tb + jnp.arange(tb, dtype=jnp.int32), t - 1)  # tail repeats token T-1
     logits = p_ref[0, rows, :]
@@ -164,12 +162,6 @@ def _select_kernel(p_ref, b_ref, w_ref, e_ref, *plan_refs, tb, npairs, block_m, 
     wts, ids = _select_rows(logits, b_ref[...], **cfg)
     w_ref[rows, :] = wts  # repeated rows store the same values
     e_ref[rows, :] = ids
-    if plan_refs:
-        ids_ref, blk_ref, meta_ref = plan_refs
-        flat = ids.reshape(-1)  # pair p = token·k + slot; the repeated tail rows are pairs ≥ NP
-        valid = jnp.arange(flat.shape[0], dtype=jnp.int32) < npairs
-        align_pairs(flat, valid, npairs=npairs, block_m=block_m, chunk=chunk, ids_ref=ids_ref, blk_ref=blk_ref,
-                    meta_ref=meta_ref)
 
 
 def _divisor(n: int, want: int) -> int:
@@ -201,26 +193,20 @@ def _gemv(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt, warp
     jax.jit,
     static_argnames=("top_k", "n_group", "topk_group", "scaling", "renormalize", "precision", "be", "bk",
                      "k_splits", "bt", "warps", "stages", "tensor_core_f32", "select", "select_warps",
-                     "plan_block_m", "interpret"),
+                     "interpret"),
 )
 def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize, precision="f32", be=16,
-          bk=512, k_splits=5, bt=16, warps=4, stages=3, tensor_core_f32=True, select="vector", select_warps=None,
-          plan_block_m=None, interpret=None):
+          bk=512, k_splits=5, bt=16, warps=4, stages=3, tensor_core_f32=True, select="vector", select_warps=1,
+          interpret=None):
     """Same as lingjax.ops.moe.route: x [T, D], router_w [E, D], bias [E] -> (weights [T, k] f32, experts
     [T, k] int32).
 
-    plan_block_m (select="vector" only): also return, third, the align plan `fused_experts(..., plan=)` takes
-    at that block_m (moe_align's (sorted_ids, block_expert, meta)), built inside the select kernel, which then
-    runs as one program over all tokens; None where the experts need none from here (moe_align.router_plans:
-    T = 1, or NP past the pair kernel's limit). select_warps: default 1 for one token per program (no
-    cross-warp barrier in any reduction), 4 for the fused align's [T, E] and [NP, NP] tiles.
+    select_warps: 1 by default (one token per program: no cross-warp barrier in any reduction).
     """
     if precision not in ("f32", "bf16"):
         raise ValueError(f"precision must be 'f32' or 'bf16', got {precision!r}")
     if select not in ("vector", "serial"):
         raise ValueError(f"select must be 'vector' or 'serial', got {select!r}")
-    if plan_block_m is not None and select != "vector":
-        raise ValueError("the align plan is built by the vector select kernel only")
     interpret = resolve_interpret(interpret)
     t = x.shape[0]
     n_exp = router_w.shape[0]
@@ -230,31 +216,18 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
                     k_splits=k_splits, bt=bt, warps=warps, stages=stages, interpret=interpret)
     cfg = dict(n_group=n_group, topk_group=topk_group, top_k=top_k, scaling=float(scaling),
                renormalize=bool(renormalize))
-    out_shape = [jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32)]
-    npairs = t * top_k
-    fuse = plan_block_m is not None and router_plans(t, top_k)
-    tb = pl.next_power_of_2(t) if fuse else 1  # the fused align needs every token in one program
     if select == "serial":
         kernel = functools.partial(_select_serial_kernel, **cfg)
     else:
-        kernel = functools.partial(_select_kernel, tb=tb, npairs=npairs, block_m=plan_block_m, chunk=128, **cfg)
-    if fuse:
-        nb, slots = align_shapes(npairs, plan_block_m, n_blocks_for(npairs, plan_block_m, n_exp))
-        out_shape += [jax.ShapeDtypeStruct((slots,), jnp.int32), jax.ShapeDtypeStruct((nb,), jnp.int32),
-                      jax.ShapeDtypeStruct((2,), jnp.int32)]
-    if select_warps is None:
-        select_warps = 1 if tb == 1 else 4
-    out = pl.pallas_call(
+        kernel = functools.partial(_select_kernel, tb=1, **cfg)  # one token per program
+    return pl.pallas_call(
         kernel,
-        out_shape=tuple(out_shape),
-        grid=(pl.cdiv(t, tb),),
+        out_shape=(jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32)),
+        grid=(t,),
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=select_warps, num_stages=1),
         interpret=interpret,
-        name="moe_router_select_align" if fuse else "moe_router_select",
+        name="moe_router_select",
     )(partial, bias.astype(F32))
-    if plan_block_m is None:
-        return out
-    return out[0], out[1], (tuple(out[2:]) if fuse else None)
 
 
 if __name__ == "__main__":  # GPU: sweep tiles at Flash size, check ids against the reference, µs vs floor
