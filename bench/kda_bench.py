@@ -13,6 +13,7 @@ options, most promising first, each checked against the reference and timed at T
 60% of the budget; the commit; the prefill core (the default at bf16 inputs, phase 1 alone, the
 exact and tf32 precisions, tile and warp alternatives); then, while the budget lasts, the XLA
 references, the rest of the chain variants and more prefill tiles. Ends with a table of the variants.
+KDA_BENCH_PARTS=prefill (or chain) leaves the other part's sweep out.
 """
 
 from __future__ import annotations
@@ -235,24 +236,22 @@ def jax_main(out_path):
         except Exception as e:
             print(f"chain T={t} {label} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
-    hp = dict(hoist_loads=True, parallel_read=True)
-    variants = [  # (label, kda_chain_verify options, the T to time); the first is the version measured 2026-11-29.
-        # Behind the tiling choices: register use and spills of each variant at T = 16 from an sm_90 compile
-        ("first BV16 w4", dict(block_v=16, num_warps=4), TS),
-        ("hoist+par BV16 w4", dict(block_v=16, num_warps=4, **hp), TS),  # 232 regs at T = 16, no spills
-        ("hoist BV16 w4", dict(block_v=16, num_warps=4, hoist_loads=True), TS),
-        ("hoist+par BV8 w2", dict(block_v=8, num_warps=2, **hp), TS),  # 254 regs, no spills
-        ("hoist+par BV32 w4", dict(block_v=32, num_warps=4, **hp), TS),  # 254 regs, no spills
-        ("hoist+par BV8 w4", dict(block_v=8, num_warps=4, **hp), TS),  # 200 regs, but 512 programs
-        ("par BV16 w4", dict(block_v=16, num_warps=4, parallel_read=True), TS),
-        ("hoist+par BV16 w2", dict(block_v=16, num_warps=2, **hp), TS),  # spills at T = 16
-        ("hoist+par BV16 w4 x2 tiles", dict(block_v=16, num_warps=4, tiles_per_program=2, **hp), TS),  # spills at 16
-        ("hoist+par BV16 w1", dict(block_v=16, num_warps=1, **hp), (1, 6)),  # no cross-warp step; spills at 16
-        ("hoist+par BV8 w1", dict(block_v=8, num_warps=1, **hp), (1, 6)),
-        ("hoist+par BV64 w4", dict(block_v=64, num_warps=4, **hp), TS),
-        ("hoist+par BV32 w4 x4 tiles (1 program/head)", dict(block_v=32, num_warps=4, tiles_per_program=4, **hp),
+    variants = [  # (label, kda_chain_verify options, the T to time): the default first, then the untimed tilings.
+        # Register use and spills at T = 16 from an sm_90 compile. One warp per program measured 1.2-2x slower
+        # (bench/results/kda_h200_2026-11-29_run3.md), so no 1-warp variants.
+        ("hoist+par BV16 w4", dict(block_v=16, num_warps=4), TS),  # the default; 232 regs at T = 16, no spills
+        ("hoist+par BV32 w4", dict(block_v=32, num_warps=4), TS),  # 254 regs, no spills
+        ("hoist+par BV64 w4", dict(block_v=64, num_warps=4), TS),
+        ("hoist+par BV8 w2", dict(block_v=8, num_warps=2), TS),  # 254 regs, no spills
+        ("hoist+par BV32 w8", dict(block_v=32, num_warps=8), (1, 6)),  # spills at 16
+        ("hoist+par BV8 w4", dict(block_v=8, num_warps=4), TS),  # 200 regs, but 512 programs
+        ("hoist+par BV16 w2", dict(block_v=16, num_warps=2), TS),  # spills at T = 16
+        ("hoist+par BV16 w4 x2 tiles", dict(block_v=16, num_warps=4, tiles_per_program=2), TS),  # spills at 16
+        ("hoist+par BV32 w4 x4 tiles (1 program/head)", dict(block_v=32, num_warps=4, tiles_per_program=4),
          (1,)),  # spills from T = 6
-        ("hoist+par BV32 w8", dict(block_v=32, num_warps=8, **hp), (1, 6)),  # spills at 16
+        ("first BV16 w4", dict(block_v=16, num_warps=4, hoist_loads=False, parallel_read=False), TS),
+        ("hoist BV16 w4", dict(block_v=16, num_warps=4, parallel_read=False), TS),
+        ("par BV16 w4", dict(block_v=16, num_warps=4, hoist_loads=False), TS),
     ]
     sweep = [(label, opts, t) for label, opts, ts in variants for t in ts] if "chain" in PARTS else []
     while sweep and not spent(0.6):  # then the other kernels get their turn; the rest of the sweep follows

@@ -239,7 +239,7 @@ def main():
             f"{res[1] / res[2]:.2f}x |")
 
     # (5) tile sweep, experts alone (routing from the reference, shared not included)
-    say("\n## fused_experts tile sweep (routed experts only; floor = distinct × 11.80 MB); the table above used the defaults bn_up=32, bk_up=256, bn_down=64, stages=3")
+    say("\n## fused_experts tile sweep (routed experts only; floor = distinct × 11.80 MB); the table above used the defaults (up tiles 64 x 128 at T=1, 32 x 256 above; bn_down=64, stages=3)")
     sweep = [dict(bn_up=16, bk_up=256, bn_down=64, stages=3), dict(bn_up=32, bk_up=256, bn_down=64, stages=3),
              dict(bn_up=64, bk_up=128, bn_down=64, stages=3)]  # bk_up=512 at 4 stages overflowed shared memory
     best = {}

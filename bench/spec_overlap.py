@@ -43,7 +43,7 @@ def time_rounds(model, program, drafter, prompt, rounds):
         calls = []
         for _ in range(rounds):
             c0 = time.perf_counter()
-            state, out = program.round(model.params, state)
+            state, out = program.round(model.weights, state)
             calls.append(time.perf_counter() - c0)
         jax.block_until_ready(out)
         device.append((time.perf_counter() - t0) / rounds)
@@ -52,7 +52,7 @@ def time_rounds(model, program, drafter, prompt, rounds):
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         for _ in range(rounds):
-            state, out = program.round(model.params, state)
+            state, out = program.round(model.weights, state)
             engine.host_read(out)  # wait for this round before launching the next
         blocking.append((time.perf_counter() - t0) / rounds)
     return statistics.median(device), statistics.median(dispatch), statistics.median(blocking)
@@ -69,7 +69,7 @@ def time_decode(model, prompt, steps):
     pos = jnp.int32(prompt.size)
     for _ in range(steps):
         c0 = time.perf_counter()
-        token, pos, cache = decode(model.params, cache, token, pos, key)
+        token, pos, cache = decode(model.weights, cache, token, pos, key)
         calls.append(time.perf_counter() - c0)
     jax.block_until_ready(token)
     return (time.perf_counter() - t0) / steps, statistics.median(calls)
@@ -93,7 +93,7 @@ def main():
 
     t = time.perf_counter()
     model = lingjax.load(args.model, dtype=args.dtype)
-    jax.block_until_ready(model.params)
+    jax.block_until_ready(model.weights)
     say(f"# spec_overlap: {args.model} ({model.num_params() / 1e9:.2f} B params, {args.dtype}), steps {args.steps}")
     say(f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"jax {jax.__version__}; load {time.perf_counter() - t:.1f} s")

@@ -15,7 +15,7 @@ batches; random weights, so the MTP drafts fail and every round commits one toke
   shared expert, the distinct routed experts the routers actually chose (captured from the model),
   KDA state traffic, MLA latent cache, MTP draft weights; split weights count 1/tp, replicated
   ones (router, MLA kv_a_proj, latent cache) in full;
-- floor: bytes / bandwidth, the bandwidth of a bf16 copy of 4 GiB measured in the same run;
+- floor: bytes / bandwidth, the read bandwidth (a 4 GiB bf16 array summed) measured in the same run;
 - host dispatch: the host's time to enqueue a step (≈ the step time when the host sets the pace).
 --profile DIR traces --profile-steps spec rounds per configuration and prints the GPU-time census
 of lingjax.profiling side by side (kernel sets and TP sizes), calibrated against the unprofiled
@@ -62,16 +62,18 @@ def count_kernels(compiled_text: str) -> int:
 
 
 def bandwidth() -> float:
-    x = jnp.ones((2 << 30,), jnp.bfloat16)  # 4 GiB
-    scale = jnp.bfloat16(1.5)  # a runtime operand, so XLA cannot fold the copy away
-    copy = jax.jit(lambda a, c: a * c)
-    copy(x, scale).block_until_ready()
+    """Read bandwidth: a 4 GiB bf16 array summed in f32 (a step mostly reads weights). On the H200
+    this gives ~3.8 TB/s where a bf16 copy (read + write, the yardstick before 2026-11-29's last run)
+    gives ~3.0, so floors from that copy figure read ~1.25x lower than this one's."""
+    x = jnp.ones((2 << 30,), jnp.bfloat16)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    total(x).block_until_ready()
     times = []
-    for _ in range(5):
+    for _ in range(7):
         t = time.perf_counter()
-        copy(x, scale).block_until_ready()
+        total(x).block_until_ready()
         times.append(time.perf_counter() - t)
-    return 2 * x.nbytes / statistics.median(times)
+    return x.nbytes / statistics.median(times)
 
 
 def _layer_bytes(cfg, attn, mlp, distinct, width, ctx, item, tp) -> float:
@@ -131,9 +133,9 @@ def distinct_experts(model, prompt, window) -> list[int]:
         return chosen
 
     n_moe = sum(kind == MOE for kind in model.cfg.mlp_types)
-    run = model.sharded(run, (model.param_specs, model.cache_specs, P(), P()), [P()] * n_moe)
+    run = model.sharded(run, (model.weight_specs, model.cache_specs, P(), P()), [P()] * n_moe)
     _, cache = engine.plain_prefill(model, prompt, window.size, SamplingParams(), jax.random.key(0))
-    chosen = iter(jax.jit(run)(model.params, cache, jnp.asarray(window), jnp.int32(prompt.size)))
+    chosen = iter(jax.jit(run)(model.weights, cache, jnp.asarray(window), jnp.int32(prompt.size)))
     return [len(np.unique(np.asarray(next(chosen)))) if kind == MOE else 0 for kind in model.cfg.mlp_types]
 
 
@@ -170,7 +172,7 @@ def bench_kernels(model, args, prompt, say):
         pos = jnp.int32(prompt.size)
         t = time.perf_counter()
         for _ in range(n):
-            token, pos, cache = decode(model.params, cache, token, pos, key)
+            token, pos, cache = decode(model.weights, cache, token, pos, key)
         return t, token
 
     label = f"tp={model.tp} {variant_name(model)}"
@@ -180,7 +182,7 @@ def bench_kernels(model, args, prompt, say):
     t_dec, h_dec = time_steps(run_decode, args.n)
     progress(f"{label}: decode compiled in {compiled - began:.0f} s, timed in {time.perf_counter() - compiled:.0f} s")
     token, cache = engine.plain_prefill(model, prompt, 6 * args.n, sampling, key)
-    k_dec = count_kernels(decode.lower(model.params, cache, token, jnp.int32(prompt.size), key).compile().as_text())
+    k_dec = count_kernels(decode.lower(model.weights, cache, token, jnp.int32(prompt.size), key).compile().as_text())
     del cache
 
     drafter = engine._make_drafter(model, "nextn", args.steps)
@@ -194,7 +196,7 @@ def bench_kernels(model, args, prompt, say):
             nonlocal state
             t = time.perf_counter()
             for _ in range(n):
-                state, out = program.round(model.params, state)
+                state, out = program.round(model.weights, state)
             return t, out
         return launch
 
@@ -204,7 +206,7 @@ def bench_kernels(model, args, prompt, say):
     t_round, h_round = time_steps(lambda n: prepared_rounds(n)(), args.n)
     progress(f"{label}: spec round compiled in {compiled - began:.0f} s, timed in {time.perf_counter() - compiled:.0f} s")
     state = engine.spec_prefill(model, program, drafter, prompt, 6 * args.n, key)[1]
-    round_hlo = program.round.lower(model.params, state).compile().as_text()
+    round_hlo = program.round.lower(model.weights, state).compile().as_text()
     del state
     census = None
     if args.profile:  # only the rounds are traced; the prompt's prefill runs before
@@ -251,13 +253,13 @@ def main():
     bw = bandwidth()
     say(f"# step_bench: {args.model}, bf16, S={args.steps}, router {args.router_precision}, tp {args.tp}")
     say(f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} x{len(jax.devices())} visible, "
-        f"jax {jax.__version__}; bandwidth per device (bf16 copy, same run) {bw / 1e12:.2f} TB/s")
+        f"jax {jax.__version__}; read bandwidth per device (same run) {bw / 1e12:.2f} TB/s")
     say("floor = bytes one device must read in the step / that bandwidth (split weights 1/tp, replicated in full)")
     rows, censuses = [], {}
     for tp in args.tp:
         t0 = time.perf_counter()
         base = lingjax.load(args.model, dtype="bfloat16", tp=tp, router_precision=args.router_precision)
-        jax.block_until_ready(base.params)
+        jax.block_until_ready(base.weights)
         say(f"tp={tp}: {base.num_params() / 1e9:.2f} B params made on device in {time.perf_counter() - t0:.1f} s")
         prompt = np.random.default_rng(0).integers(0, base.cfg.vocab_size, args.prompt_len).astype(np.int32)
         width = args.steps + 1

@@ -97,7 +97,7 @@ def plain_prefill(model: Model, prompt: np.ndarray, max_new_tokens: int, samplin
     prefill, _ = model.step_programs(sampling)
     cache = model.new_cache(cache_capacity(prompt.size, max_new_tokens))
     for start, chunk, n_valid, _ in _prompt_chunks(prompt):
-        token, cache = prefill(model.params, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid), key)
+        token, cache = prefill(model.weights, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid), key)
     return token, cache
 
 
@@ -110,7 +110,7 @@ def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key) -> It
     while True:
         pending = token
         if produced + 1 < max_new_tokens:  # run ahead: launch the next step before reading this one
-            token, pos, cache = decode(model.params, cache, pending, pos, base_key)
+            token, pos, cache = decode(model.weights, cache, pending, pos, base_key)
             start_host_copy(token)
         yield [int(host_read(pending))]
         produced += 1
@@ -124,7 +124,7 @@ def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tok
     cache, draft = model.new_cache(capacity), drafter.init(model.module, capacity)
     for start, chunk, n_valid, last in _prompt_chunks(prompt):
         after = 0 if last else int(prompt[start + n_valid])
-        bonus, cache, draft = program.prefill_chunk(model.params, cache, draft, jnp.asarray(chunk), jnp.int32(start),
+        bonus, cache, draft = program.prefill_chunk(model.weights, cache, draft, jnp.asarray(chunk), jnp.int32(start),
                                                     jnp.int32(n_valid), jnp.int32(after), base_key, last=last)
     # the state is donated to the first round: it gets its own copies of the token the host reads
     # and of the caller's key
@@ -142,7 +142,7 @@ def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafte
     first = True
     while True:
         if produced + 1 < max_new_tokens:  # run ahead (a round yields at least one token)
-            state, out = program.round(model.params, state)
+            state, out = program.round(model.weights, state)
             start_host_copy(out)
         else:
             out = None

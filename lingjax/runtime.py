@@ -1,7 +1,10 @@
 """`lingjax.load` and the loaded model: parameters on device plus the jitted programs that use them.
 
-The NNX module is split once into (graphdef, params); each jitted program merges them inside the
-trace, so calls pay no Python walk of the object graph. Caches are separate pytrees, donated.
+The NNX module is split once into (graphdef, params); each jitted program takes the parameters as a
+flat tuple of arrays (`Model.weights`) and rebuilds the module inside the trace, so a call walks
+neither the object graph nor the nnx Variables in Python (flattening Flash's 720 Variables cost the
+host ~2 ms per step on the H200 machine: bench/results/step_flash_h200x2_2026-11-29.md). Caches are
+separate pytrees, donated.
 """
 
 from __future__ import annotations
@@ -76,8 +79,11 @@ class Model:
         if self.mesh is not None:
             sharding.check_tp(self.cfg, tp)
             params = sharding.place(params, self.param_specs, self.mesh)
-        self.params = params
-        ps, cs, rep, vocab = self.param_specs, self.cache_specs, P(), P(None, sharding.AXIS)
+        self.params = params  # the structured view (nnx.State): notebooks, tests, checkpoints
+        leaves, self._param_treedef = jax.tree.flatten(params)
+        self.weights = tuple(leaves)  # the same arrays, flat: what every program takes
+        self.weight_specs = tuple(self._param_treedef.flatten_up_to(self.param_specs))
+        ps, cs, rep, vocab = self.weight_specs, self.cache_specs, P(), P(None, sharding.AXIS)
         self._extend_logits = jax.jit(self.sharded(self._extend_logits_impl, (ps, cs, rep, rep), (vocab, cs)),
                                       donate_argnums=(1,))
         self._step_programs = {}
@@ -109,10 +115,10 @@ class Model:
 
     def step_programs(self, sampling: SamplingParams):
         """(prefill, decode) jitted for this sampling (built once, then reused):
-        prefill(params, cache, tokens, start, n_valid, key) -> (token, cache);
-        decode(params, cache, token, pos, key) -> (next token, pos + 1, cache)."""
+        prefill(weights, cache, tokens, start, n_valid, key) -> (token, cache);
+        decode(weights, cache, token, pos, key) -> (next token, pos + 1, cache)."""
         if sampling not in self._step_programs:
-            ps, cs, rep = self.param_specs, self.cache_specs, P()
+            ps, cs, rep = self.weight_specs, self.cache_specs, P()
             prefill = self.sharded(functools.partial(self._prefill_impl, sampling=sampling),
                                    (ps, cs, rep, rep, rep, rep), (rep, cs))
             decode = self.sharded(functools.partial(self._decode_impl, sampling=sampling),
@@ -131,25 +137,25 @@ class Model:
         return self._spec_programs[key]
 
     # ---- program bodies (each sees this device's shards under TP) ------------------------------
-    def _module(self, params) -> LingModel:
-        return nnx.merge(self.graphdef, params)
+    def _module(self, weights) -> LingModel:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._param_treedef, weights))
 
-    def _extend_logits_impl(self, params, cache, tokens, start):
-        module = self._module(params)
+    def _extend_logits_impl(self, weights, cache, tokens, start):
+        module = self._module(weights)
         hidden, cache = module.forward(tokens, cache, start, tokens.shape[0], self.ex)
         return module.lm_logits(hidden), cache
 
-    def _prefill_impl(self, params, cache, tokens, start, n_valid, key, sampling: SamplingParams):
+    def _prefill_impl(self, weights, cache, tokens, start, n_valid, key, sampling: SamplingParams):
         """One prompt chunk -> (token sampled from row n_valid-1, cache)."""
-        module = self._module(params)
+        module = self._module(weights)
         hidden, cache = module.forward(tokens, cache, start, n_valid, self.ex)
         last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False)
         return sample(module.lm_logits(last), key, sampling, self.ex), cache
 
-    def _decode_impl(self, params, cache, token, pos, key, sampling: SamplingParams):
+    def _decode_impl(self, weights, cache, token, pos, key, sampling: SamplingParams):
         """One token at position pos -> (next token, pos + 1, cache). Everything the next step needs
         comes back as device values; the sampling key is folded with the position on device."""
-        module = self._module(params)
+        module = self._module(weights)
         hidden, cache = module.forward(token[None], cache, pos, 1, self.ex)
         logits = module.lm_logits(hidden[0])
         return sample(logits, jax.random.fold_in(key, pos), sampling, self.ex), pos + 1, cache
@@ -161,7 +167,7 @@ class Model:
         if tokens.shape[0] == 0:
             raise ValueError("token_ids is empty")
         _check_ids(tokens, self.cfg.vocab_size)
-        logits, _ = self._extend_logits(self.params, self.new_cache(tokens.shape[0]), tokens, jnp.int32(0))
+        logits, _ = self._extend_logits(self.weights, self.new_cache(tokens.shape[0]), tokens, jnp.int32(0))
         return np.asarray(logits)
 
     def incremental_logits(self, token_ids, prompt_len: int) -> np.ndarray:
@@ -174,10 +180,10 @@ class Model:
             raise ValueError(f"prompt_len must be in [1, {tokens.size}], got {prompt_len}")
         _check_ids(tokens, self.cfg.vocab_size)
         cache = self.new_cache(max(tokens.size, 1))
-        logits, cache = self._extend_logits(self.params, cache, jnp.asarray(tokens[:prompt_len]), jnp.int32(0))
+        logits, cache = self._extend_logits(self.weights, cache, jnp.asarray(tokens[:prompt_len]), jnp.int32(0))
         rows = [np.asarray(logits[-1])]
         for pos in range(prompt_len, tokens.size):
-            logits, cache = self._extend_logits(self.params, cache, jnp.asarray(tokens[pos : pos + 1]), jnp.int32(pos))
+            logits, cache = self._extend_logits(self.weights, cache, jnp.asarray(tokens[pos : pos + 1]), jnp.int32(pos))
             rows.append(np.asarray(logits[0]))
         return np.stack(rows)
 

@@ -39,26 +39,26 @@ class SpecProgram:
         rep = P()
         draft_specs = jax.tree.map(lambda _: rep, jax.eval_shape(lambda: drafter.init(model.module, 1)))
         state_specs = SpecState(cache=model.cache_specs, draft=draft_specs, s=rep, bonus=rep, round=rep, key=rep)
-        chunk_specs = ((model.param_specs, model.cache_specs, draft_specs) + (rep,) * 5, (rep, model.cache_specs,
+        chunk_specs = ((model.weight_specs, model.cache_specs, draft_specs) + (rep,) * 5, (rep, model.cache_specs,
                                                                                         draft_specs))
         self._prefill = {
             last: model.step_jit(model.sharded(functools.partial(self._prefill_chunk, last=last), *chunk_specs),
                            donate_argnums=(1, 2))
             for last in (False, True)
         }
-        self.round = model.step_jit(model.sharded(self._round, (model.param_specs, state_specs), (state_specs, rep)),
+        self.round = model.step_jit(model.sharded(self._round, (model.weight_specs, state_specs), (state_specs, rep)),
                               donate_argnums=(1,))
 
-    def prefill_chunk(self, params, cache, draft, tokens, start, n_valid, next_token, key, *, last: bool):
-        return self._prefill[last](params, cache, draft, tokens, start, n_valid, next_token, key)
+    def prefill_chunk(self, weights, cache, draft, tokens, start, n_valid, next_token, key, *, last: bool):
+        return self._prefill[last](weights, cache, draft, tokens, start, n_valid, next_token, key)
 
-    def _module(self, params):
-        return self.model._module(params)
+    def _module(self, weights):
+        return self.model._module(weights)
 
-    def _prefill_chunk(self, params, cache, draft, tokens, start, n_valid, next_token, key, last: bool):
+    def _prefill_chunk(self, weights, cache, draft, tokens, start, n_valid, next_token, key, last: bool):
         """One prompt chunk through the target, then through the drafter. On the last chunk the
         token after the prompt is the target's own first token b, sampled here."""
-        module = self._module(params)
+        module = self._module(weights)
         ex = self.model.ex
         hidden, cache = module.forward(tokens, cache, start, n_valid, ex)
         if last:
@@ -67,9 +67,9 @@ class SpecProgram:
         draft = self.drafter.prefill(module, draft, tokens, hidden, start, n_valid, next_token, ex)
         return next_token, cache, draft
 
-    def _round(self, params, state: SpecState):
+    def _round(self, weights, state: SpecState):
         """-> (next state, int32 [S+2] output)."""
-        module = self._module(params)
+        module = self._module(weights)
         ex = self.model.ex
         key = jax.random.fold_in(state.key, state.round + 1)
         with jax.named_scope("draft"):
