@@ -1,0 +1,107 @@
+"""Where the host's time goes at TP: per CUDA-graph launch, per all-reduce, per argument.
+
+    python bench/launch_bench.py --tp 1 2 --layers 8 32 96 --out report.md
+
+A Flash step at TP2 is host-bound (bench/results/step_flash_h200x2_2026-11-29.md): each all-reduce splits
+XLA's CUDA graph, so a round is ~100 graph launches plus ~90 all-reduces per device, and the profiler showed
+20-40 µs of host time per cuGraphLaunch. This isolates those costs without the model: a chain of `layers`
+blocks, each a small GEMV through its own weight (so XLA keeps one kernel per block) followed, under TP, by a
+psum over the mesh; compiled with lingjax.runtime.step_jit (the step programs' command-buffer options). For
+each configuration it prints the device time per call (N calls back to back, one block at the end) and the
+host's dispatch time per call, both also per block, for:
+- weights as `layers` separate arrays or as one stacked array (the per-argument cost of a call);
+- all-reduces outside the graphs (split) or inside (whole, collectives_in_graphs).
+Host dispatch ≈ device time means the host sets the pace; the slope over `layers` is the per-block cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lingjax import sharding
+from lingjax.runtime import step_jit
+
+D = 2560  # Flash hidden size: the all-reduced vector is [1, D] bf16, as in decode
+
+
+def make_program(tp: int, layers: int, stacked: bool, whole: bool):
+    """-> (jitted fn(weights, x) -> x, weights, x): `layers` row-parallel GEMVs, a psum after each under TP."""
+    mesh = sharding.make_mesh(tp) if tp > 1 else None
+    keys = jax.random.split(jax.random.key(0), layers)
+    draw = lambda k: (jax.random.normal(k, (D, D), jnp.float32) * D**-0.5).astype(jnp.bfloat16)
+    weights = jnp.stack([draw(k) for k in keys]) if stacked else tuple(draw(k) for k in keys)
+    x = jnp.ones((1, D), jnp.bfloat16)
+    w_spec = P(None, None, sharding.AXIS) if stacked else tuple(P(None, sharding.AXIS) for _ in range(layers))
+
+    def body(ws, h):
+        for i in range(layers):
+            w = ws[i]  # [D, D / tp]: this device's slice of the input features (row-parallel)
+            mine = h if tp == 1 else jax.lax.dynamic_slice_in_dim(
+                h, jax.lax.axis_index(sharding.AXIS) * w.shape[1], w.shape[1], axis=1)
+            part = jnp.dot(mine, w.T, preferred_element_type=jnp.float32)
+            if tp > 1:
+                part = jax.lax.psum(part, sharding.AXIS)
+            h = jnp.tanh(part).astype(h.dtype)
+        return h
+
+    fn = body
+    if mesh is not None:
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(w_spec, P()), out_specs=P(), check_vma=False)
+        weights = jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(mesh, s)), weights, w_spec)
+    return step_jit(fn, collectives_in_graphs=whole), weights, x
+
+
+def timed(fn, weights, x, n: int) -> tuple[float, float]:
+    """Medians over 7 batches of n calls: (device-paced seconds per call, host dispatch seconds per call)."""
+    jax.block_until_ready(fn(weights, x))
+    per_call, dispatch = [], []
+    for _ in range(7):
+        h = x
+        t = time.perf_counter()
+        for _ in range(n):
+            h = fn(weights, h)
+        dispatch.append((time.perf_counter() - t) / n)
+        jax.block_until_ready(h)
+        per_call.append((time.perf_counter() - t) / n)
+    return statistics.median(per_call), statistics.median(dispatch)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--layers", type=int, nargs="+", default=[8, 32, 96])
+    ap.add_argument("--n", type=int, default=50, help="calls per timed batch")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lines = [f"# launch_bench: {datetime.date.today()}, {jax.devices()[0].device_kind} x{len(jax.devices())} "
+             f"visible, jax {jax.__version__}", "",
+             "| tp | layers | weights | all-reduces | µs/call | host dispatch µs/call | µs/layer | host µs/layer |",
+             "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for tp in args.tp:
+        for layers in args.layers:
+            for stacked in (False, True):
+                for whole in ((False, True) if tp > 1 else (False,)):
+                    fn, weights, x = make_program(tp, layers, stacked, whole)
+                    call, host = timed(fn, weights, x, args.n)
+                    row = (f"| {tp} | {layers} | {'stacked' if stacked else 'separate'} | "
+                           f"{('in graphs' if whole else 'split') if tp > 1 else '-'} | {call * 1e6:.0f} | "
+                           f"{host * 1e6:.0f} | {call / layers * 1e6:.2f} | {host / layers * 1e6:.2f} |")
+                    print(row, flush=True)
+                    lines.append(row)
+                    del fn, weights
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
