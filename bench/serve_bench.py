@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 import lingjax
+from lingjax import engine
 
 
 def progress(done: int, total: int, started: float, tpot_ms: float) -> None:
@@ -45,9 +46,14 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--prefill-chunk", type=int, default=engine.PREFILL_CHUNK,
+                    help="prompt tokens per prefill program (a power of two); each chunk reads the weights once")
     ap.add_argument("--time-budget", type=float, default=600.0, help="seconds for the measured requests")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.prefill_chunk & (args.prefill_chunk - 1) or args.prefill_chunk < engine.prefill_bucket(1):
+        ap.error(f"--prefill-chunk must be a power of two >= {engine.prefill_bucket(1)}, got {args.prefill_chunk}")
+    engine.PREFILL_CHUNK = args.prefill_chunk  # the engine reads it per call
 
     model = lingjax.load(args.model, dtype=args.dtype, kernels=args.kernels, tp=args.tp,
                          router_precision=args.router_precision)
@@ -82,7 +88,8 @@ def main():
         f"# serve_bench: {args.model}, {args.dtype}, kernels={args.kernels}, router {args.router_precision}, tp={args.tp}, "
         f"spec={args.spec or 'none'}{f' (S={args.steps})' if args.spec else ''}",
         f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} x{args.tp}, jax {jax.__version__}; "
-        f"prompt {args.prompt_len}, output {args.output_len}, concurrency 1, greedy, EOS ignored; "
+        f"prompt {args.prompt_len} (prefill chunks of {args.prefill_chunk}), output {args.output_len}, concurrency 1, "
+        f"greedy, EOS ignored; "
         f"warm-up request {warmup_s:.1f} s (compilation)",
         "",
         "| metric | value |",
