@@ -63,8 +63,8 @@ def count_kernels(compiled_text: str) -> int:
 
 def bandwidth() -> float:
     """Read bandwidth: a 4 GiB bf16 array summed in f32 (a step mostly reads weights). On the H200
-    this gives ~3.8 TB/s where a bf16 copy (read + write, the yardstick before 2026-11-29's last run)
-    gives ~3.0, so floors from that copy figure read ~1.25x lower than this one's."""
+    this gives ~3.8 TB/s where a bf16 copy (read + write, this script's earlier yardstick) gives ~3.0,
+    so floors from that copy figure read ~1.25x lower than this one's."""
     x = jnp.ones((2 << 30,), jnp.bfloat16)
     total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
     total(x).block_until_ready()
@@ -152,6 +152,16 @@ def time_steps(fn, n: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(dispatch)
 
 
+def compile_then_time(what: str, fn, n: int) -> tuple[float, float]:
+    """time_steps(fn, n) after a first call that compiles; reports both durations on stderr."""
+    began = time.perf_counter()
+    fn(2)
+    compiled = time.perf_counter()
+    result = time_steps(fn, n)
+    progress(f"{what} compiled in {compiled - began:.0f} s, timed in {time.perf_counter() - compiled:.0f} s")
+    return result
+
+
 def variant_name(model) -> str:
     return model.kernels + ("+graph-ar" if model.collectives_in_graphs else "")
 
@@ -176,11 +186,7 @@ def bench_kernels(model, args, prompt, say):
         return t, token
 
     label = f"tp={model.tp} {variant_name(model)}"
-    began = time.perf_counter()
-    run_decode(2)  # compile
-    compiled = time.perf_counter()
-    t_dec, h_dec = time_steps(run_decode, args.n)
-    progress(f"{label}: decode compiled in {compiled - began:.0f} s, timed in {time.perf_counter() - compiled:.0f} s")
+    t_dec, h_dec = compile_then_time(f"{label}: decode", run_decode, args.n)
     token, cache = engine.plain_prefill(model, prompt, 6 * args.n, sampling, key)
     k_dec = count_kernels(decode.lower(model.weights, cache, token, jnp.int32(prompt.size), key).compile().as_text())
     del cache
@@ -200,11 +206,7 @@ def bench_kernels(model, args, prompt, say):
             return t, out
         return launch
 
-    began = time.perf_counter()
-    prepared_rounds(2)()  # compile
-    compiled = time.perf_counter()
-    t_round, h_round = time_steps(lambda n: prepared_rounds(n)(), args.n)
-    progress(f"{label}: spec round compiled in {compiled - began:.0f} s, timed in {time.perf_counter() - compiled:.0f} s")
+    t_round, h_round = compile_then_time(f"{label}: spec round", lambda n: prepared_rounds(n)(), args.n)
     state = engine.spec_prefill(model, program, drafter, prompt, 6 * args.n, key)[1]
     round_hlo = program.round.lower(model.weights, state).compile().as_text()
     del state

@@ -38,10 +38,11 @@ def step_jit(fun, collectives_in_graphs: bool = False, **kwargs):
     graphs), loops and conditionals included: measured on the H200 (bench/results/
     spec_overlap_h200_2026-11-29.md) this cut the host's dispatch of a speculative round from 3.2-4.3
     ms to 2.0 ms, below the device's time, so the run-ahead loop hides it.
-    Collectives stay out of the graphs unless collectives_in_graphs: then each all-reduce splits the
-    graph (a TP4 Flash round is ~200 graph launches plus ~100 bare all-reduces per device, and the
-    host sets the pace: bench/results/step_flash_h200x4_2026-11-29.md), but a Flash TP4 round
-    compiled with them did not finish its timing within 2.5 minutes there.
+    Collectives stay out of the graphs unless collectives_in_graphs, so each all-reduce splits the
+    graph (a TP2 Flash round is ~100 graph launches plus ~90 all-reduces per device, and the host
+    sets the pace). Putting them inside gained nothing on `mid` at TP2, with NCCL or with XLA's
+    one-shot all-reduce kernel (bench/results/step_flash_h200x2_2026-11-29.md), and a Flash TP4 round
+    compiled that way did not finish its timing within 2.5 minutes (…_h200x4_2026-11-29.md).
     XLA's dot merger is off: the Flash profile showed it fusing each KDA layer's five projections
     into one GEMM by copying the five weight matrices into a new buffer every step (26 MB a layer,
     0.6 ms of a TP4 round), which at batch 1 costs far more than the launches it saves. Those five
@@ -74,20 +75,24 @@ class Model:
             raise ValueError(f"router_precision must be 'f32' or 'bf16', got {router_precision!r}")
         self.ex = Exec(kernels, sharding.AXIS if self.mesh else None, router_precision)
         self.graphdef, params = nnx.split(module)
-        self.param_specs = sharding.param_specs(params)
+        param_specs = sharding.param_specs(params)
         self.cache_specs = sharding.cache_spec(jax.eval_shape(lambda: init_cache(self.cfg, 1, self.dtype)))
         if self.mesh is not None:
             sharding.check_tp(self.cfg, tp)
-            params = sharding.place(params, self.param_specs, self.mesh)
-        self.params = params  # the structured view (nnx.State): notebooks, tests, checkpoints
+            params = sharding.place(params, param_specs, self.mesh)
         leaves, self._param_treedef = jax.tree.flatten(params)
-        self.weights = tuple(leaves)  # the same arrays, flat: what every program takes
-        self.weight_specs = tuple(self._param_treedef.flatten_up_to(self.param_specs))
+        self.weights = tuple(leaves)  # what every program takes; `params` is the structured view
+        self.weight_specs = tuple(self._param_treedef.flatten_up_to(param_specs))
         ps, cs, rep, vocab = self.weight_specs, self.cache_specs, P(), P(None, sharding.AXIS)
         self._extend_logits = jax.jit(self.sharded(self._extend_logits_impl, (ps, cs, rep, rep), (vocab, cs)),
                                       donate_argnums=(1,))
         self._step_programs = {}
         self._spec_programs = {}
+
+    @property
+    def params(self):
+        """The parameters as an nnx.State (the same arrays as `weights`): for notebooks and tests."""
+        return jax.tree.unflatten(self._param_treedef, self.weights)
 
     def step_jit(self, fun, **kwargs):
         return step_jit(fun, self.collectives_in_graphs, **kwargs)

@@ -66,14 +66,14 @@ def align_reference(experts: jax.Array, block_m: int, n_blocks: int | None = Non
     return sorted_ids, block_expert.astype(_I32), pos, meta
 
 
-def align_pairs(e, valid, *, npairs, block_m, chunk, ids_ref, blk_ref, meta_ref, pos_ref=None):
-    """The pair-axis align on values already in registers (the body of _align_kernel). e, valid: [NPP] int32 /
-    bool (expert per pair, and whether the pair exists); writes ids_ref [S], blk_ref [NB], meta_ref [2] and, if
-    given, pos_ref [NPP]."""
-    npp = e.shape[0]
+def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m, chunk):
+    # e_ref: [NPP] int32 expert per pair (NPP = NP padded to a power of 2; tail ignored)
+    # ids_ref: [S] int32; blk_ref: [NB] int32; pos_ref: [NPP] int32; meta_ref: [2] int32
+    npp = e_ref.shape[0]
     i = jax.lax.broadcasted_iota(_I32, (npp, npp), 0)  # this pair
     j = jax.lax.broadcasted_iota(_I32, (npp, npp), 1)  # the other pair
-    e = jnp.where(valid, e, jnp.iinfo(_I32).max)
+    valid = jnp.arange(npp, dtype=_I32) < npairs
+    e = jnp.where(valid, e_ref[...], jnp.iinfo(_I32).max)  # [NPP]
     ei, ej = e[:, None], e[None, :]
     same = (ei == ej) & valid[:, None] & valid[None, :]
     rank = jnp.where(same & (j < i), 1, 0).sum(axis=1)  # stable rank inside the bucket
@@ -84,8 +84,7 @@ def align_pairs(e, valid, *, npairs, block_m, chunk, ids_ref, blk_ref, meta_ref,
     offset = jnp.where(rep[None, :] & (ej < ei), padded[None, :], 0).sum(axis=1)
     pos = jnp.where(valid, offset + rank, 0)
     total = jnp.where(rep, padded, 0).sum()
-    if pos_ref is not None:
-        pos_ref[...] = pos
+    pos_ref[...] = pos
     meta_ref[...] = jnp.where(jnp.arange(2, dtype=_I32) == 0, total, total // block_m)
 
     # Every block's expert: the representative whose padded range holds the block's first slot.
@@ -107,20 +106,6 @@ def align_pairs(e, valid, *, npairs, block_m, chunk, ids_ref, blk_ref, meta_ref,
     jax.lax.fori_loop(0, ids_ref.shape[0] // chunk, fill, 0)
 
 
-def align_shapes(npairs: int, block_m: int, n_blocks: int | None = None) -> tuple[int, int]:
-    """(NB, S) of the pair-axis kernel's outputs: blocks padded to a power of 2, S = NB · block_m."""
-    nb = pl.next_power_of_2(n_blocks or n_blocks_for(npairs, block_m))
-    return nb, nb * block_m
-
-
-def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m, chunk):
-    # e_ref: [NPP] int32 expert per pair (NPP = NP padded to a power of 2; tail ignored)
-    # ids_ref: [S] int32; blk_ref: [NB] int32; pos_ref: [NPP] int32; meta_ref: [2] int32
-    valid = jnp.arange(e_ref.shape[0], dtype=_I32) < npairs
-    align_pairs(e_ref[...], valid, npairs=npairs, block_m=block_m, chunk=chunk, ids_ref=ids_ref, blk_ref=blk_ref,
-                meta_ref=meta_ref, pos_ref=pos_ref)
-
-
 @functools.partial(jax.jit, static_argnames=("block_m", "n_blocks", "chunk", "num_warps", "interpret"))
 def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, chunk=128, num_warps=4, interpret=None):
     """Pair-axis moe_align, one launch; NP > PAIR_LIMIT falls back to `align_reference`.
@@ -134,7 +119,8 @@ def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, chunk=128, num_warps=4
     if npairs > PAIR_LIMIT:
         return align_reference(experts, block_m, n_blocks)
     npp = pl.next_power_of_2(npairs)
-    nb, slots = align_shapes(npairs, block_m, n_blocks)
+    nb = pl.next_power_of_2(n_blocks or n_blocks_for(npairs, block_m))
+    slots = nb * block_m
     chunk = min(chunk, slots)
     if npp != npairs:
         flat = jnp.pad(flat, (0, npp - npairs))

@@ -25,12 +25,13 @@ checkpoint) every product is exact in f32, so it runs on the tensor cores with f
 result up to summation order, as any f32 GEMV); with f32 operands Triton's IEEE f32 dot (no tensor
 cores, 16 padded token rows of FMAs). precision="bf16" rounds x (and an f32 weight) to bf16 — the seed's
 declared rounding change; logits then differ by ~1e-2 relative and near-tied experts may swap.
+
+Reference: lingjax.ops.moe.route. Timings of every variant: bench/moe_bench.py.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +39,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.pallas import resolve_interpret
-
-from lingjax.ops.moe import route as route_reference  # the reference
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))
@@ -152,16 +151,14 @@ def _select_rows(logits, bias, *, n_group, topk_group, top_k, scaling, renormali
     return wts * scaling, ids
 
 
-def _select_kernel(p_ref, b_ref, w_ref, e_ref, *, tb, **cfg):
-    # p_ref [KS, T, E] f32 partial logits; b_ref [E] f32; w_ref [T, k] f32; e_ref [T, k] int32
-    ks, t, _ = p_ref.shape
-    rows = jnp.minimum(pl.program_id(0) * tb + jnp.arange(tb, dtype=jnp.int32), t - 1)  # tail repeats token T-1
-    logits = p_ref[0, rows, :]
-    for s in range(1, ks):
-        logits = logits + p_ref[s, rows, :]
-    wts, ids = _select_rows(logits, b_ref[...], **cfg)
-    w_ref[rows, :] = wts  # repeated rows store the same values
-    e_ref[rows, :] = ids
+def _select_kernel(p_ref, b_ref, w_ref, e_ref, **cfg):
+    # one token per program: p_ref [KS, T, E] f32 partial logits; b_ref [E] f32; w_ref [T, k] f32;
+    # e_ref [T, k] int32
+    row = pl.ds(pl.program_id(0), 1)
+    logits = p_ref[0, row, :]
+    for s in range(1, p_ref.shape[0]):
+        logits = logits + p_ref[s, row, :]
+    w_ref[row, :], e_ref[row, :] = _select_rows(logits, b_ref[...], **cfg)
 
 
 def _divisor(n: int, want: int) -> int:
@@ -219,7 +216,7 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
     if select == "serial":
         kernel = functools.partial(_select_serial_kernel, **cfg)
     else:
-        kernel = functools.partial(_select_kernel, tb=1, **cfg)  # one token per program
+        kernel = functools.partial(_select_kernel, **cfg)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32)),
@@ -229,25 +226,3 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
         name="moe_router_select",
     )(partial, bias.astype(F32))
 
-
-if __name__ == "__main__":  # GPU: sweep tiles at Flash size, check ids against the reference, µs vs floor
-    d, e, layers = 2560, 512, 8
-    cfg = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)
-    for t in (1, 6, 16):
-        ks = jax.random.split(jax.random.key(t), 3 * layers)
-        sets = [(jax.random.normal(ks[3 * l], (t, d), F32).astype(jnp.bfloat16),
-                 (jax.random.normal(ks[3 * l + 1], (e, d), F32) / d**0.5).astype(jnp.bfloat16),
-                 0.1 * jax.random.normal(ks[3 * l + 2], (e,), F32)) for l in range(layers)]
-        _, want = route_reference(*sets[0], **cfg)
-        floor_us = e * d * 2 / 4.3e12 * 1e6
-        for name, kw in [("legacy", dict(LEGACY, **cfg)), ("default", cfg),
-                         ("ks=10 bk=256", dict(k_splits=10, bk=256, **cfg)), ("select 2 warps", dict(select_warps=2, **cfg))]:
-            same = bool((route(*sets[0], **kw)[1] == want).all())
-            run = jax.jit(lambda ss, kw=kw: jax.lax.fori_loop(0, 100, lambda _, acc: acc + sum(
-                route(s[0], s[1], s[2] + acc * 0, **kw)[0][0, 0] for s in ss), 0.0))
-            run(sets).block_until_ready()
-            t0 = time.perf_counter()
-            run(sets).block_until_ready()
-            us = (time.perf_counter() - t0) / (100 * layers) * 1e6
-            print(f"router T={t} {name}: ids {'ok' if same else 'DIFFER'}, {us:.1f} us, "
-                  f"{100 * floor_us / us:.0f}% of floor {floor_us:.2f} us")

@@ -43,11 +43,11 @@ class SpecProgram:
                                                                                         draft_specs))
         self._prefill = {
             last: model.step_jit(model.sharded(functools.partial(self._prefill_chunk, last=last), *chunk_specs),
-                           donate_argnums=(1, 2))
+                                 donate_argnums=(1, 2))
             for last in (False, True)
         }
         self.round = model.step_jit(model.sharded(self._round, (model.weight_specs, state_specs), (state_specs, rep)),
-                              donate_argnums=(1,))
+                                    donate_argnums=(1,))
 
     def prefill_chunk(self, weights, cache, draft, tokens, start, n_valid, next_token, key, *, last: bool):
         return self._prefill[last](weights, cache, draft, tokens, start, n_valid, next_token, key)
