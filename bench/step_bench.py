@@ -3,12 +3,14 @@
     python bench/step_bench.py --model mid --tp 1 2 --steps 3 --kernels xla pallas --out report.md
     python bench/step_bench.py --model flash --tp 4 --kernels pallas --router-precision bf16 --profile prof/
     python bench/step_bench.py --model flash --tp 2 --kernels pallas --graphs split whole
+    python bench/step_bench.py --model flash --tp 2 --kernels pallas --rounds-per-call 1 4
 
 For each TP size (random weights made shard by shard on the devices, the same weights for every
 size), kernel set and graph mode (--graphs whole puts the all-reduces inside the CUDA graphs, see
 lingjax.runtime.step_jit): the plain T=1 decode step and the speculative round (S drafts, verify width
 S+1), each timed as N steps dispatched back to back with one block at the end (median of 5 such
-batches; random weights, so the MTP drafts fail and every round commits one token). Printed with
+batches; random weights, so the MTP drafts fail and every round commits one token);
+--rounds-per-call R runs R rounds in each device call (a lax.scan) and reports per-round figures. Printed with
 - kernels: the step program's launches counted in its optimised HLO (fusions, custom calls, library
   calls, collectives and copies outside fusions; a loop body counts once, so a lower bound);
 - bytes: what one device must read in the step: lm_head, attention and dense weights, router,
@@ -192,41 +194,51 @@ def bench_kernels(model, args, prompt, say):
     del cache
 
     drafter = engine._make_drafter(model, "nextn", args.steps)
-    program = model.spec_program(drafter, sampling)
+    rows, census = [("decode T=1", t_dec, h_dec, k_dec)], None
+    for rounds in args.rounds_per_call:
+        program = model.spec_program(drafter, sampling, rounds)
 
-    def prepared_rounds(n):  # -> launch(): n rounds from a fresh state, -> (start time, last output)
-        state = engine.spec_prefill(model, program, drafter, prompt, 6 * n, key)[1]
-        jax.block_until_ready(state)
+        def prepared_calls(n):  # -> launch(): n calls from a fresh state, -> (start time, last output)
+            state = engine.spec_prefill(model, program, drafter, prompt, 6 * n * rounds, key)[1]
+            jax.block_until_ready(state)
 
-        def launch():
-            nonlocal state
-            t = time.perf_counter()
-            for _ in range(n):
-                state, out = program.round(model.weights, state)
-            return t, out
-        return launch
+            def launch():
+                nonlocal state
+                t = time.perf_counter()
+                for _ in range(n):
+                    state, out = program.round(model.weights, state)
+                return t, out
+            return launch
 
-    t_round, h_round = compile_then_time(f"{label}: spec round", lambda n: prepared_rounds(n)(), args.n)
-    state = engine.spec_prefill(model, program, drafter, prompt, 6 * args.n, key)[1]
-    round_hlo = program.round.lower(model.weights, state).compile().as_text()
-    del state
-    census = None
-    if args.profile:  # only the rounds are traced; the prompt's prefill runs before
-        tag = f"{args.model}_tp{model.tp}_{variant_name(model).replace('+', '_')}"
-        launch = prepared_rounds(args.profile_steps)
-        with tempfile.TemporaryDirectory() as raw:
-            with profiling.capture(raw) as trace:
-                jax.block_until_ready(launch()[1])
-            kernels = profiling.load_kernels(trace.path)
-            shutil.copy(trace.path, Path(args.profile) / f"{tag}.trace.json.gz")
-        with gzip.open(Path(args.profile) / f"{tag}.round_hlo.txt.gz", "wt") as f:
-            f.write(round_hlo)
-        try:
-            census = profiling.census(kernels, profiling.op_scopes(round_hlo), args.profile_steps, t_round)
-        except ValueError as e:  # the raw trace and HLO are saved: the census can be redone offline
-            say(f"census of {tag} failed: {e}")
-    return [("decode T=1", t_dec, h_dec, k_dec),
-            (f"spec round S={args.steps}", t_round, h_round, count_kernels(round_hlo))], census
+        name = f"spec round S={args.steps}" + (f", {rounds} per call" if rounds > 1 else "")
+        calls = max(1, args.n // rounds)  # about n rounds a batch, whatever the rounds per call
+        t_call, h_call = compile_then_time(f"{label}: {name}", lambda n: prepared_calls(n)(), calls)
+        state = engine.spec_prefill(model, program, drafter, prompt, 6 * args.n, key)[1]
+        round_hlo = program.round.lower(model.weights, state).compile().as_text()
+        del state
+        rows.append((name, t_call / rounds, h_call / rounds, count_kernels(round_hlo)))
+        if args.profile and rounds == args.rounds_per_call[0]:  # only the first variant's calls are traced
+            census = profile_rounds(model, args, prepared_calls, round_hlo, rounds, t_call, say)
+    return rows, census
+
+
+def profile_rounds(model, args, prepared_calls, round_hlo, rounds, t_call, say):
+    """Trace --profile-steps calls, save the trace and HLO in --profile, -> the GPU-time census per
+    round or None."""
+    tag = f"{args.model}_tp{model.tp}_{variant_name(model).replace('+', '_')}"
+    launch = prepared_calls(args.profile_steps)
+    with tempfile.TemporaryDirectory() as raw:
+        with profiling.capture(raw) as trace:
+            jax.block_until_ready(launch()[1])
+        kernels = profiling.load_kernels(trace.path)
+        shutil.copy(trace.path, Path(args.profile) / f"{tag}.trace.json.gz")
+    with gzip.open(Path(args.profile) / f"{tag}.round_hlo.txt.gz", "wt") as f:
+        f.write(round_hlo)
+    try:
+        return profiling.census(kernels, profiling.op_scopes(round_hlo), args.profile_steps * rounds, t_call / rounds)
+    except ValueError as e:  # the raw trace and HLO are saved: the census can be redone offline
+        say(f"census of {tag} failed: {e}")
+        return None
 
 
 def main():
@@ -237,6 +249,8 @@ def main():
     ap.add_argument("--kernels", nargs="+", default=["xla", "pallas"])
     ap.add_argument("--graphs", nargs="+", default=["split"], choices=["split", "whole"],
                     help="split: all-reduces outside the CUDA graphs (default); whole: inside (runtime.step_jit)")
+    ap.add_argument("--rounds-per-call", type=int, nargs="+", default=[1],
+                    help="speculative rounds per device call (a lax.scan); per-round figures are reported")
     ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--n", type=int, default=32, help="steps per timed batch")
@@ -283,7 +297,7 @@ def main():
                 model = lingjax.Model(base.module, kernels=kernels, source=args.model, tp=tp,
                                       router_precision=args.router_precision, collectives_in_graphs=graphs == "whole")
                 measured, census = bench_kernels(model, args, prompt, say)
-                for (name, t, host, k), b in zip(measured, (bytes_decode, bytes_round)):
+                for (name, t, host, k), b in zip(measured, [bytes_decode] + [bytes_round] * len(args.rounds_per_call)):
                     floor = b / bw
                     rows.append(f"| {tp} | {variant_name(model)} | {name} | {t * 1e6:.0f} | {host * 1e6:.0f} | {k} | "
                                 f"{b / 1e6:.0f} | {floor * 1e6:.0f} | {t / floor:.2f} |")

@@ -41,7 +41,8 @@ def cmd_generate(args) -> int:
 
     result = lingjax.generate(model, args.prompt_ids, args.max_new_tokens, temperature=args.temperature,
                               seed=args.seed, stop_ids=args.stop_ids, top_k=args.top_k, top_p=args.top_p,
-                              ignore_eos=args.ignore_eos, on_token=show, spec=args.spec, steps=args.steps)
+                              ignore_eos=args.ignore_eos, on_token=show, spec=args.spec, steps=args.steps,
+                              rounds_per_call=args.rounds_per_call)
     print()
     accept = f"; mean accept length {result.mean_accept_len:.2f} over {len(result.accept_lens)} rounds" \
         if args.spec else ""
@@ -94,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's EOS ids")
     g.add_argument("--spec", choices=["nextn"], default=None, help="speculate with the MTP layer")
     g.add_argument("--steps", type=int, default=5, help="drafts per speculative round (verify width steps+1)")
+    g.add_argument("--rounds-per-call", type=int, default=1,
+                   help="speculative rounds per device call (fewer host round trips; tokens arrive in bursts)")
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     g.add_argument("--kernels", choices=["xla", "pallas"], default="xla")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")

@@ -120,7 +120,8 @@ def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tok
     """The prompt through the target and the drafter -> (first token b, the state of round 1)."""
     from lingjax.spec.step import SpecState
 
-    capacity = cache_capacity(prompt.size, max_new_tokens, drafter.steps + 1)
+    # a call of rounds_per_call rounds advances s by up to that many verify widths
+    capacity = cache_capacity(prompt.size, max_new_tokens, (drafter.steps + 1) * program.rounds_per_call)
     cache, draft = model.new_cache(capacity), drafter.init(model.module, capacity)
     for start, chunk, n_valid, last in _prompt_chunks(prompt):
         after = 0 if last else int(prompt[start + n_valid])
@@ -133,13 +134,13 @@ def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tok
     return bonus, state
 
 
-def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens):
-    """Yields each round's new tokens (the prefill's first token, then d_1..d_n, b' per round)."""
-    program = model.spec_program(drafter, sampling)
+def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens, rounds_per_call):
+    """Yields each call's new tokens (the prefill's first token, then d_1..d_n, b' of each round the
+    call ran), appending each round's accept length to accept_lens."""
+    program = model.spec_program(drafter, sampling, rounds_per_call)
     bonus, state = spec_prefill(model, program, drafter, prompt, max_new_tokens, base_key)
-    pending, produced = bonus, 0
+    pending, produced, first = bonus, 0, True
     start_host_copy(pending)
-    first = True
     while True:
         if produced + 1 < max_new_tokens:  # run ahead (a round yields at least one token)
             state, out = program.round(model.weights, state)
@@ -150,9 +151,10 @@ def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafte
         if first:
             tokens, first = [int(value)], False
         else:
-            count = int(value[-1])
-            tokens = value[:count].tolist()
-            accept_lens.append(count)
+            tokens = []
+            for row in value:  # one row per round: [t_0..t_S, count], the first count tokens are new
+                tokens += row[: row[-1]].tolist()
+                accept_lens.append(int(row[-1]))
         yield tokens
         produced += len(tokens)
         if out is None:
@@ -163,18 +165,24 @@ def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafte
 def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, stop_ids: Sequence[int] = (), *, top_k: int = 0, top_p: float = 1.0,
              ignore_eos: bool = False, on_token: Callable[[int], None] | None = None,
-             spec: str | None = None, steps: int = 5, drafter=None) -> GenerationResult:
+             spec: str | None = None, steps: int = 5, drafter=None, rounds_per_call: int = 1) -> GenerationResult:
     """Generate up to max_new_tokens after prompt_ids.
 
     Stops at any of stop_ids or the config's EOS ids (unless ignore_eos); on_token(id) is called as
     each token reaches the host. spec="nextn" speculates with the MTP layer, `steps` drafts a round
     (greedy output is identical to spec=None); `drafter` plugs in any other drafter object.
+    rounds_per_call > 1 runs that many speculative rounds per device call (tokens then reach the host
+    in bursts of that many rounds; the same tokens either way).
     """
     prompt = np.asarray(list(prompt_ids), dtype=np.int32)
     if prompt.size == 0:
         raise ValueError("prompt_ids is empty")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if rounds_per_call < 1:
+        raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
+    if rounds_per_call > 1 and spec is None and drafter is None:
+        raise ValueError("rounds_per_call applies to speculative rounds: pass spec= (or a drafter)")
     _check_ids(prompt, model.cfg.vocab_size)
     sampling = SamplingParams(temperature, top_k, top_p)
     stops = set(int(s) for s in stop_ids) | (set() if ignore_eos else set(model.cfg.eos_token_ids))
@@ -187,7 +195,8 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
     if drafter is None:
         steps_iter = _plain_steps(model, prompt, max_new_tokens, sampling, base_key)
     else:
-        steps_iter = _spec_steps(model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens)
+        steps_iter = _spec_steps(model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens,
+                                  rounds_per_call)
     tokens: list[int] = []
     times: list[float] = []
     stop_reason = "length"
@@ -207,6 +216,10 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
         if stop_reason == "stop" or len(tokens) >= max_new_tokens:
             break
     steps_iter.close()
+    # rounds the device ran past the last kept token (a stop, max_new_tokens, the rest of a call) do
+    # not count: keep the shortest prefix of rounds that covers the tokens after the first
+    covered = np.cumsum(accept_lens)
+    del accept_lens[int(np.searchsorted(covered, len(tokens) - 1)) + 1 if len(tokens) > 1 else 0:]
     gaps = np.diff(times).tolist()
     return GenerationResult(
         tokens=tokens,

@@ -128,17 +128,20 @@ class Model:
                                    (ps, cs, rep, rep, rep, rep), (rep, cs))
             decode = self.sharded(functools.partial(self._decode_impl, sampling=sampling),
                                   (ps, cs, rep, rep, rep), (rep, rep, cs))
+            # pos is donated too, so the next pos lands at the same address every step: a new
+            # address would make every CUDA graph that reads it re-record (token stays: the host reads it)
             self._step_programs[sampling] = (self.step_jit(prefill, donate_argnums=(1,)),
-                                             self.step_jit(decode, donate_argnums=(1,)))
+                                             self.step_jit(decode, donate_argnums=(1, 3)))
         return self._step_programs[sampling]
 
-    def spec_program(self, drafter, sampling: SamplingParams):
-        """The jitted speculative prefill/round for this drafter and sampling (built once, then reused)."""
+    def spec_program(self, drafter, sampling: SamplingParams, rounds_per_call: int = 1):
+        """The jitted speculative prefill/rounds for this drafter, sampling and rounds per call
+        (built once, then reused)."""
         from lingjax.spec.step import SpecProgram
 
-        key = (drafter, sampling)
+        key = (drafter, sampling, rounds_per_call)
         if key not in self._spec_programs:
-            self._spec_programs[key] = SpecProgram(self, drafter, sampling)
+            self._spec_programs[key] = SpecProgram(self, drafter, sampling, rounds_per_call)
         return self._spec_programs[key]
 
     # ---- program bodies (each sees this device's shards under TP) ------------------------------

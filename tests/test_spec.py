@@ -127,6 +127,34 @@ def test_max_new_tokens_inside_a_round(n):
     assert spec.tokens == plain and len(spec.tokens) == n
 
 
+# ---- several rounds per device call ----------------------------------------------------------------
+@pytest.mark.parametrize("rounds", [2, 3])
+def test_rounds_per_call_same_tokens_and_accept_lengths(rounds):
+    """R rounds in one call (a lax.scan) give the tokens and per-round accept lengths of one round per
+    call: with varying accept lengths, a stop inside the second round of a call, max_new_tokens
+    inside a call, and sampling (keys fold in the round count, not the call)."""
+    model, steps = _tiny(), 3
+    prompt = _prompt(11, 8)
+    plain = lingjax.generate(model, prompt, 60, ignore_eos=True).tokens
+    oracle = _oracle(model, prompt, plain, steps, corrupt_every=3)
+    one = lingjax.generate(model, prompt, 60, ignore_eos=True, drafter=oracle)
+    many = lingjax.generate(model, prompt, 60, ignore_eos=True, drafter=oracle, rounds_per_call=rounds)
+    assert many.tokens == one.tokens == plain
+    assert many.accept_lens == one.accept_lens and len(set(one.accept_lens)) > 1
+    # a stop in the second round of the first call: later rounds of that call ran but do not count
+    stop_at = 1 + one.accept_lens[0] + 1
+    first = plain.index(plain[stop_at])
+    cut = [lingjax.generate(model, prompt, 60, stop_ids=[plain[stop_at]], ignore_eos=True, drafter=oracle,
+                            rounds_per_call=r) for r in (1, rounds)]
+    assert cut[0].tokens == cut[1].tokens == plain[: first + 1] and cut[1].stop_reason == "stop"
+    assert cut[0].accept_lens == cut[1].accept_lens
+    short = lingjax.generate(model, prompt, 7, ignore_eos=True, drafter=oracle, rounds_per_call=rounds)
+    assert short.tokens == plain[:7] and sum(short.accept_lens) >= 6 > sum(short.accept_lens[:-1])
+    sampled = [lingjax.generate(model, prompt, 40, temperature=1.1, seed=5, ignore_eos=True, spec="nextn", steps=steps,
+                                rounds_per_call=r).tokens for r in (1, rounds)]
+    assert sampled[0] == sampled[1]
+
+
 def test_greedy_then_sampled_then_greedy_is_unpolluted():
     model = _tiny()
     prompt = _prompt(10, 6)
@@ -256,7 +284,8 @@ def test_host_loop_reads_only_through_host_read_and_runs_ahead(monkeypatch):
     assert len(result.tokens) == 30
 
 
-@pytest.mark.parametrize("bad", [dict(spec="eagle"), dict(spec="nextn", steps=0), dict(spec="nextn", steps=16)])
+@pytest.mark.parametrize("bad", [dict(spec="eagle"), dict(spec="nextn", steps=0), dict(spec="nextn", steps=16),
+                                 dict(spec="nextn", rounds_per_call=0), dict(rounds_per_call=2)])
 def test_bad_spec_arguments(bad):
     with pytest.raises(ValueError):
         lingjax.generate(_tiny(), [1, 2], 4, **bad)

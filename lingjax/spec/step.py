@@ -3,6 +3,9 @@
 round: draft -> verify -> accept -> commit -> extend. Nothing in it needs a host value: the
 committed length s, the bonus token, the accept count n and every index derived from them are
 device values under fixed shapes, so the host can enqueue round k+1 before round k finishes.
+One call may run several rounds back to back on the device (rounds_per_call, a lax.scan): each
+execution of a program has fixed host costs (at TP2 an execution's setup, its collectives'
+cliques, re-recorded CUDA graphs), which the rounds of one call share.
 """
 
 from __future__ import annotations
@@ -31,11 +34,15 @@ class SpecState:
 
 
 class SpecProgram:
-    """Jitted prefill and round for one (model, drafter, sampling) combination; under TP each body
-    runs inside shard_map (the drafter's state is replicated)."""
+    """Jitted prefill and rounds for one (model, drafter, sampling, rounds_per_call) combination;
+    under TP each body runs inside shard_map (the drafter's state is replicated).
+    round(weights, state) -> (state after rounds_per_call rounds, int32 [rounds_per_call, S+2])."""
 
-    def __init__(self, model, drafter, sampling: SamplingParams):
+    def __init__(self, model, drafter, sampling: SamplingParams, rounds_per_call: int = 1):
+        if rounds_per_call < 1:
+            raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
         self.model, self.drafter, self.sampling = model, drafter, sampling
+        self.rounds_per_call = rounds_per_call
         rep = P()
         draft_specs = jax.tree.map(lambda _: rep, jax.eval_shape(lambda: drafter.init(model.module, 1)))
         state_specs = SpecState(cache=model.cache_specs, draft=draft_specs, s=rep, bonus=rep, round=rep, key=rep)
@@ -46,7 +53,7 @@ class SpecProgram:
                                  donate_argnums=(1, 2))
             for last in (False, True)
         }
-        self.round = model.step_jit(model.sharded(self._round, (model.weight_specs, state_specs), (state_specs, rep)),
+        self.round = model.step_jit(model.sharded(self._rounds, (model.weight_specs, state_specs), (state_specs, rep)),
                                     donate_argnums=(1,))
 
     def prefill_chunk(self, weights, cache, draft, tokens, start, n_valid, next_token, key, *, last: bool):
@@ -66,6 +73,13 @@ class SpecProgram:
             next_token = sample(logits, jax.random.fold_in(key, 0), self.sampling, ex)
         draft = self.drafter.prefill(module, draft, tokens, hidden, start, n_valid, next_token, ex)
         return next_token, cache, draft
+
+    def _rounds(self, weights, state: SpecState):
+        """-> (state after rounds_per_call rounds, int32 [rounds_per_call, S+2]: each round's output)."""
+        if self.rounds_per_call == 1:
+            state, out = self._round(weights, state)
+            return state, out[None]
+        return jax.lax.scan(lambda st, _: self._round(weights, st), state, length=self.rounds_per_call)
 
     def _round(self, weights, state: SpecState):
         """-> (next state, int32 [S+2] output)."""
