@@ -1,6 +1,6 @@
 """Pallas KDA kernels (interpret mode on the CPU) against their plain-JAX references:
-chain-verify at every T in 1..16 (and its chunked form), commit, chunked prefill, and the model with
-kernels="pallas" for the KDA ops."""
+chain-verify at every T in 1..16, commit, chunked prefill, and the model with kernels="pallas"
+for the KDA ops."""
 
 import jax
 import jax.numpy as jnp
@@ -108,28 +108,6 @@ def test_chain_verify_rows_equal_sequential_decode(opts):
         o_r, st_r = kda_chain_verify(qkv[r:r + 1], f[r:r + 1], b[r:r + 1], win, conv_w, a_log, dt_bias, s, **cfg)
         s, win = st_r[0], kda.conv_windows(win, qkv[r:r + 1])[0]
         assert rel_err(staged[r], s) <= 1e-5 and rel_err(o[r], o_r[0]) <= 1e-5
-
-
-CHUNKED = dict(form="chunked", block_v=16)  # tiles of 16 columns: the narrowest a GPU dot takes
-
-
-@pytest.mark.parametrize("t,h", [(1, 3), (2, 1), (6, 5), (11, 3), (16, 1)])
-def test_chain_verify_chunked(t, h):
-    """The chunked form: odd head counts, both gate forms, f32 and bf16 inputs, two V tiles."""
-    _check_chain(t, h, 32, jnp.float32, 12, **CHUNKED)
-    _check_chain(t, h, 32, jnp.float32, 13, safe=False, **CHUNKED)
-    _check_chain(t, h, 32, jnp.bfloat16, 14, **CHUNKED)
-
-
-def test_chain_verify_chunked_tiles_and_precision():
-    """Wider tiles, several tiles per program and unhoisted loads give the same results; precision="bf16"
-    (fla's roundings in the dots) stays within bf16's tolerance."""
-    args, o, staged = _check_chain(6, 3, 32, jnp.float32, 15, **CHUNKED)
-    cfg = dict(num_heads=3, safe_gate=True, lower_bound=-5.0, form="chunked")
-    for opts in (dict(block_v=32), dict(block_v=16, tiles_per_program=2), dict(block_v=16, hoist_loads=False)):
-        o2, staged2 = kda_chain_verify(*args, **cfg, **opts)
-        assert rel_err(o2, o) <= 1e-6 and rel_err(staged2, staged) <= 1e-6
-    _check_chain(16, 3, 32, jnp.bfloat16, 16, safe=False, precision="bf16", **CHUNKED)
 
 
 @pytest.mark.parametrize("t", [1, 4, 16])

@@ -23,34 +23,6 @@ bench/results/kda_h200_2026-11-29.md, they took T = 1/6/16 from 9.3/17.1/47.5 µ
   head's prologue (conv, norms, gate) is computed once per program instead of once per tile, and
   tiles_per_program = V / BV gives one program per head (more registers: spills at large T).
 
-form="chunked" replaces the row chain with the chunked (WY) form of kda_prefill applied to the T rows as
-ONE chunk, padded to SUB = 16 rows (the same prologue; hoist_loads and tiles_per_program apply, parallel_read
-does not). With G_t = Σ_{i<=t} g_i (per K channel) the recurrence (decay, then predict with the decayed
-state, write, read the written state) unrolls to
-  S_t = diag(e^{G_t}) S_0 + Σ_{i<=t} diag(e^{G_t-G_i}) k_i δ_iᵀ,   δ_t = β_t (v_t - k_tᵀ diag(e^{g_t}) S_{t-1}),
-so the gate of row t reaches S_0 in row t's own predict (e^{G_t}, not e^{G_{t-1}}) and the pair terms carry
-e^{G_t-G_i} (row i's gate is applied before its write):
-  (I + βM) Δ = β V - (β k e^G) S_0,  M[t,i] = Σ_k k_t k_i e^{G_t-G_i} (i < t),  X = (I + βM)^-1
-  O = (q e^G) S_0 + A Δ,              A[t,i] = Σ_k q_t k_i e^{G_t-G_i} (i <= t)
-  S_t = diag(e^{g_t}) S_{t-1} + k_t δ_tᵀ                                  (staged, every t)
-M and A are built row by row from "decayed keys" kd (row i = k_i e^{G_t-G_i}, multiplied by e^{g_t} per row:
-products of decays <= 1, never e^{-G}, which overflows for steep gates; exact for the non-safe gate too,
-where kda_prefill's factored e^{G_t-r} e^{r-G_s} would not be), each entry a K-sum along a [SUB, K] row
-that is independent of every other row's. X = (I + βM)^-1 by kda_prefill's doubling product (_inverse_blocks);
-Δ and O are four dots ([SUB, K] x [K, BV] with S_0, [SUB, SUB] x [SUB, BV]). The staged states are a running
-sum, elementwise per row (no K-sum: δ_t is known), not T masked [K, SUB] x [SUB, BV] dots: 2·K·BV flops a
-row instead of 2·K·SUB·BV, in the reference's own operation order, and no dot-operand round trips through
-shared memory; its T steps chain only per-element FMAs in registers. So no reduction depends on another's
-result beyond the fixed depth (K-sums -> inverse -> 4 dots -> row picks), where the serial form chains T
-rows of cross-warp K-sums. FLOPs per program (T rows, tile BV): serial ~8·T·K·BV (decay, two K-sums,
-write); chunked ~6·T·SUB·K for M and A (V-independent, repeated per V tile, like the prologue) + 4·SUB·K·BV
-(two S_0 dots) + 4·SUB²·BV (two small dots) + 12·SUB³ (inverse) + 3·T·K·BV (states): at K = 128, BV = 16,
-T = 16 about 0.5 MFLOP against the serial 0.26 — more work, none of it a serial chain of reductions.
-Precision ("precision", a kda_prefill PRECISIONS name): "tf32x3" (~f32) for every input dtype by default:
-the staged state is committed every step, so fla's bf16 roundings ("bf16": S_0 and Δ rounded to bf16 in the
-dots; measured up to 2e-3 relative error on the staged state, 5e-3 on o) would add that error to the state
-at each verify, where the serial form adds none.
-
 Reference: lingjax.ops.kda.kda_chain (math in ling3_architecture.md §3).
 """
 
@@ -64,15 +36,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.pallas import resolve_interpret
-from lingjax.pallas.kda_prefill import SUB, _inverse_blocks, _op_dot, _resolve, _row
 
-MAX_T = SUB  # the chunked form pads the rows to one SUB x SUB block
+MAX_T = 16
 
 
 def _chain_kernel(qkv_ref, f_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
                   o_ref, st_ref,  # outputs
                   *, t_len, num_heads, dim, block_v, tiles, safe_gate, lower_bound, hoist_loads,
-                  parallel_read, form, prec):
+                  parallel_read):
     # qkv_ref [T, 3P]; f_ref [T, P]; b_ref [T, H]; win_ref [W-1, 3P]; convw_ref [3P, W] f32;
     # alog_ref [H]; dtb_ref [P]; s_ref [H, K, V] f32 -> o_ref [T, H, V] f32; st_ref [T, H, K, V] f32
     h, j = pl.program_id(0), pl.program_id(1)
@@ -121,39 +92,23 @@ def _chain_kernel(qkv_ref, f_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, 
     vs = [conv_silu(c) for c in v_in]  # tiles x T x [BV]
     rate = early(lambda: jnp.exp(alog_in().astype(f32)))
     dtb = early(lambda: dtb_in().astype(f32))
-    need_qk = parallel_read and form == "serial"
 
-    def row_inputs(t):  # decay exp(g_t) [K], k_t [K], q_t [K], beta_t, q_t.k_t (serial parallel_read only)
+    def row_inputs(t):  # decay exp(g_t) [K], k_t [K], q_t [K], beta_t, q_t.k_t
         x = f_in[t]().astype(f32) + dtb()
         if safe_gate:
             g = lower_bound * jax.nn.sigmoid(rate() * x)
         else:
             g = -rate() * jax.nn.softplus(x)
         beta = jax.nn.sigmoid(b_in[t]().astype(f32))  # the only sigmoid on beta
-        qk = jnp.sum(qs[t] * ks[t]) if need_qk else None
+        qk = jnp.sum(qs[t] * ks[t]) if parallel_read else None
         return jnp.exp(g), ks[t], qs[t], beta, qk
 
     rows = [early(functools.partial(row_inputs, t)) for t in range(t_len)]
 
-    def store(t, c, s, o):  # row t's state [K, BV] and output of the tile at column c: o is [BV] (a K-sum)
-        # in the serial form, [1, BV] (a row picked from a [SUB, BV] dot) in the chunked one
-        st_ref[t, h, :, pl.ds(c, block_v)] = s
-        if o.ndim == 1:
-            o_ref[t, h, pl.ds(c, block_v)] = o
-        else:
-            o_ref[pl.ds(t, 1), h, pl.ds(c, block_v)] = o
-
-    if form == "serial":
-        _serial_rows(rows, [x() for x in s_in], vs, col0, store, parallel_read=parallel_read)
-    else:
-        _chunked_rows(rows, [x() for x in s_in], vs, col0, store, dim=dim, prec=prec)
-
-
-def _serial_rows(rows, s, vs, col0, store, *, parallel_read):
-    """The serial form: T rows, the tiles' independent chains interleaved. rows: T x early row_inputs;
-    s: tiles x [K, BV] committed state; vs: tiles x T x [BV]."""
-    for t, row in enumerate(rows):
-        decay, k, q, beta, qk = row()
+    # ---- the chain: T rows, the tiles' independent chains interleaved
+    s = [x() for x in s_in]
+    for t in range(t_len):
+        decay, k, q, beta, qk = rows[t]()
         # [:, None] here, not in row_inputs: T rows x 3 vectors broadcast into the tile's layout ahead
         # of the chain spill registers at T = 16; the compact 1-D vectors do not
         k, decay = k[:, None], decay[:, None]
@@ -164,83 +119,35 @@ def _serial_rows(rows, s, vs, col0, store, *, parallel_read):
                 w = jnp.sum(sd * q[:, None], axis=0)  # [BV] read of the decayed state, beside the predict
             delta = beta * (vs[i][t] - u)
             s[i] = sd + k * delta[None, :]  # delta write
-            store(t, c, s[i], w + qk * delta if parallel_read else jnp.sum(s[i] * q[:, None], axis=0))
-
-
-def _pair_terms(rows, *, dim):
-    """The V-independent part of the chunked form, as [SUB, .] matrices whose rows t >= T are zero:
-    M [SUB, SUB] (M[t, i] = Σ_k k_t k_i e^{G_t-G_i}, β not applied; only i < t is used), A [SUB, SUB]
-    (A[t, i] = Σ_k q_t k_i e^{G_t-G_i}, i <= t), β [SUB, 1], K' = β k e^G and Q' = q e^G [SUB, K].
-    kd walks the rows: after row t its row i <= t is k_i e^{G_t-G_i}, a product of decays <= 1, so no
-    exponent is ever positive (e^{-G} overflows for long or steep gates); row t's two K-sums are
-    independent of the other rows' (nothing chains them but elementwise products)."""
-    f32 = jnp.float32
-    idx = jnp.arange(SUB)
-    at_row = [idx[:, None] == t for t in range(len(rows))]  # [SUB, 1] masks of row t
-    zeros = jnp.zeros((SUB, dim), f32)
-    kd, decay_to_t = zeros, jnp.ones((dim,), f32)  # decay_to_t: e^{G_t}
-    m = a = jnp.zeros((SUB, SUB), f32)
-    beta_col, kg, qg = jnp.zeros((SUB, 1), f32), zeros, zeros
-    for t, row in enumerate(rows):
-        decay, k, q, beta, _ = row()
-        kd = jnp.where(at_row[t], k[None, :], kd * decay[None, :])
-        decay_to_t = decay_to_t * decay
-        m = jnp.where(at_row[t], jnp.sum(kd * k[None, :], axis=1)[None, :], m)
-        a = jnp.where(at_row[t], jnp.sum(kd * q[None, :], axis=1)[None, :], a)
-        beta_col = jnp.where(at_row[t], beta, beta_col)
-        kg = jnp.where(at_row[t], (beta * k * decay_to_t)[None, :], kg)
-        qg = jnp.where(at_row[t], (q * decay_to_t)[None, :], qg)
-    return m, a, beta_col, kg, qg
-
-
-def _chunked_rows(rows, s, vs, col0, store, *, dim, prec):
-    """The chunked (WY) form: the T rows as one chunk padded to SUB rows (see the module docstring).
-    Arguments as _serial_rows; prec: kda_prefill's _Prec for the dots."""
-    m, a, beta_col, kg, qg = _pair_terms(rows, dim=dim)
-    x = _inverse_blocks({(0, 0): m}, [beta_col], nb=1, precision=prec.solve)[0, 0]  # (I + βM)^-1
-    dot = functools.partial(_op_dot, prec=prec)
-    idx = jnp.arange(SUB)[:, None]
-    for i, c in enumerate(col0):
-        v = sum(jnp.where(idx == t, vt[None, :], 0.0) for t, vt in enumerate(vs[i]))  # [SUB, BV]
-        delta = dot(x, beta_col * v - dot(kg, s[i]))  # [SUB, BV]: δ_t = β_t (v_t - k_tᵀ diag(e^{g_t}) S_{t-1})
-        o = dot(qg, s[i]) + dot(a, delta)  # [SUB, BV]: o_t = S_tᵀ q_t
-        for t, row in enumerate(rows):  # S_t = diag(e^{g_t}) S_{t-1} + k_t δ_tᵀ: elementwise, no K-sum
-            decay, k, *_ = row()
-            s[i] = s[i] * decay[:, None] + k[:, None] * _row(delta, t)
-            store(t, c, s[i], _row(o, t))
+            st_ref[t, h, :, pl.ds(c, block_v)] = s[i]
+            o_ref[t, h, pl.ds(c, block_v)] = w + qk * delta if parallel_read else jnp.sum(s[i] * q[:, None], axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "safe_gate", "lower_bound", "block_v", "num_warps",
-                                             "hoist_loads", "parallel_read", "tiles_per_program", "form",
-                                             "precision", "interpret"))
+                                             "hoist_loads", "parallel_read", "tiles_per_program", "interpret"))
 def kda_chain_verify(qkv, f, b, window, conv_w, a_log, dt_bias, state, *, num_heads, safe_gate, lower_bound,
                      block_v: int = 16, num_warps: int = 4, hoist_loads: bool = True,
-                     parallel_read: bool = True, tiles_per_program: int = 1, form: str = "serial",
-                     precision: str = "tf32x3", interpret=None):
+                     parallel_read: bool = True, tiles_per_program: int = 1, interpret=None):
     """Same arguments and results as lingjax.ops.kda.kda_chain: (o [T, H, V] f32, staged [T, H, K, V] f32).
-    block_v: V columns per tile; tiles_per_program (clamped to V / block_v), hoist_loads, form ("serial"
-    or "chunked"), parallel_read (serial form only): see the module docstring. precision (chunked form
-    only): a kda_prefill.PRECISIONS name for its dots, "tf32x3" (~f32) for any input dtype by default."""
+    block_v: V columns per tile; tiles_per_program (clamped to V / block_v), hoist_loads, parallel_read:
+    see the module docstring."""
     t_len = qkv.shape[0]
     h, dk, dv = state.shape
     assert 1 <= t_len <= MAX_T, f"chain-verify takes 1..{MAX_T} rows, got {t_len}"
     assert h == num_heads and dk == dv and qkv.shape[1] == 3 * h * dk, (qkv.shape, state.shape)
-    assert form in ("serial", "chunked"), form
     block_v = min(block_v, dv)
     tiles = min(tiles_per_program, dv // block_v)
     assert dv % (block_v * tiles) == 0, (dv, block_v, tiles)
-    interpret = resolve_interpret(interpret)
-    prec = _resolve(precision, interpret)
     kernel = functools.partial(_chain_kernel, t_len=t_len, num_heads=h, dim=dk, block_v=block_v, tiles=tiles,
                                safe_gate=safe_gate, lower_bound=lower_bound, hoist_loads=hoist_loads,
-                               parallel_read=parallel_read, form=form, prec=prec)
+                               parallel_read=parallel_read)
     return pl.pallas_call(
         kernel,
         grid=(h, dv // (block_v * tiles)),
         out_shape=(jax.ShapeDtypeStruct((t_len, h, dv), jnp.float32),
                    jax.ShapeDtypeStruct((t_len, h, dk, dv), jnp.float32)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
+        interpret=resolve_interpret(interpret),
         name="kda_chain_verify",
     )(qkv, f, b, window, conv_w.astype(jnp.float32), a_log, dt_bias, state.astype(jnp.float32))
 
