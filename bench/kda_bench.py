@@ -316,7 +316,7 @@ def jax_main(out_path):
     # (tf32x3, the f32 inputs' default) and plain tf32, then phase-1a/phase-2 tile and warp alternatives.
     time_prefill()
     run_timed(phase1)
-    for kw_p in (dict(precision="tf32x3"), dict(precision="tf32"), dict(blocks_warps=1), dict(blocks_warps=2),
+    for kw_p in (dict(precision="tf32x3"), dict(precision="tf32"), dict(blocks_warps=1), dict(blocks_warps=4),
                  dict(block_k=64), dict(block_v=64)):
         time_prefill(**kw_p)
 
