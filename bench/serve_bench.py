@@ -43,7 +43,8 @@ def main():
     ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--spec", default=None, choices=[None, "nextn"])
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--rounds-per-call", type=int, default=1, help="speculative rounds per device call")
+    ap.add_argument("--rounds-per-call", type=int, default=1,
+                    help="speculative rounds (or decode steps without --spec) per device call")
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--requests", type=int, default=1000)
@@ -88,8 +89,7 @@ def main():
     mean_tpot = statistics.fmean(tpots)
     lines = [
         f"# serve_bench: {args.model}, {args.dtype}, kernels={args.kernels}, router {args.router_precision}, tp={args.tp}, "
-        f"spec={args.spec or 'none'}"
-        f"{f' (S={args.steps}, {args.rounds_per_call} rounds per call)' if args.spec else ''}",
+        f"spec={args.spec or 'none'}{f' (S={args.steps})' if args.spec else ''}, {args.rounds_per_call} per call",
         f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} x{args.tp}, jax {jax.__version__}; "
         f"prompt {args.prompt_len} (prefill chunks of {args.prefill_chunk}), output {args.output_len}, concurrency 1, "
         f"greedy, EOS ignored; "

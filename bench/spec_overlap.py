@@ -69,7 +69,7 @@ def time_decode(model, prompt, steps):
     pos = jnp.int32(prompt.size)
     for _ in range(steps):
         c0 = time.perf_counter()
-        token, pos, cache = decode(model.weights, cache, token, pos, key)
+        _, token, pos, cache = decode(model.weights, cache, token, pos, key)
         calls.append(time.perf_counter() - c0)
     jax.block_until_ready(token)
     return (time.perf_counter() - t0) / steps, statistics.median(calls)

@@ -10,7 +10,8 @@ size), kernel set and graph mode (--graphs whole puts the all-reduces inside the
 lingjax.runtime.step_jit): the plain T=1 decode step and the speculative round (S drafts, verify width
 S+1), each timed as N steps dispatched back to back with one block at the end (median of 5 such
 batches; random weights, so the MTP drafts fail and every round commits one token);
---rounds-per-call R runs R rounds in each device call (a lax.scan) and reports per-round figures. Printed with
+--rounds-per-call R runs R rounds (or decode steps) in each device call (a lax.scan) and reports per-round
+figures. Printed with
 - kernels: the step program's launches counted in its optimised HLO (fusions, custom calls, library
   calls, collectives and copies outside fusions; a loop body counts once, so a lower bound);
 - bytes: what one device must read in the step: lm_head, attention and dense weights, router,
@@ -173,28 +174,34 @@ def progress(text: str) -> None:
 
 
 def bench_kernels(model, args, prompt, say):
-    """Decode and speculative-round timings of one loaded model -> (rows, spec-round census or None)."""
+    """Decode-step and speculative-round timings of one loaded model, per --rounds-per-call ->
+    (rows of (kind, name, s/step, host s/step, kernels), spec-round census or None)."""
     sampling = SamplingParams()
-    _, decode = model.step_programs(sampling)
     key = jax.random.key(0)
-
-    def run_decode(n):
-        token, cache = engine.plain_prefill(model, prompt, 6 * n, sampling, key)
-        jax.block_until_ready(cache)
-        pos = jnp.int32(prompt.size)
-        t = time.perf_counter()
-        for _ in range(n):
-            token, pos, cache = decode(model.weights, cache, token, pos, key)
-        return t, token
-
     label = f"tp={model.tp} {variant_name(model)}"
-    t_dec, h_dec = compile_then_time(f"{label}: decode", run_decode, args.n)
-    token, cache = engine.plain_prefill(model, prompt, 6 * args.n, sampling, key)
-    k_dec = count_kernels(decode.lower(model.weights, cache, token, jnp.int32(prompt.size), key).compile().as_text())
-    del cache
+    rows, census = [], None
+    for steps in args.rounds_per_call:
+        _, decode = model.step_programs(sampling, steps)
+
+        def run_decode(n):
+            token, cache = engine.plain_prefill(model, prompt, 6 * n * steps, sampling, key, steps)
+            jax.block_until_ready(cache)
+            pos = jnp.int32(prompt.size)
+            t = time.perf_counter()
+            for _ in range(n):
+                _, token, pos, cache = decode(model.weights, cache, token, pos, key)
+            return t, token
+
+        name = "decode T=1" + (f", {steps} per call" if steps > 1 else "")
+        calls = max(1, args.n // steps)  # about n steps a batch, whatever the steps per call
+        t_call, h_call = compile_then_time(f"{label}: {name}", run_decode, calls)
+        # the timed calls' shapes (cache capacity), so the compilation cache serves this compile
+        token, cache = engine.plain_prefill(model, prompt, 6 * calls * steps, sampling, key, steps)
+        hlo = decode.lower(model.weights, cache, token, jnp.int32(prompt.size), key).compile().as_text()
+        rows.append(("decode", name, t_call / steps, h_call / steps, count_kernels(hlo)))
+        del cache
 
     drafter = engine._make_drafter(model, "nextn", args.steps)
-    rows, census = [("decode T=1", t_dec, h_dec, k_dec)], None
     for rounds in args.rounds_per_call:
         program = model.spec_program(drafter, sampling, rounds)
 
@@ -213,10 +220,10 @@ def bench_kernels(model, args, prompt, say):
         name = f"spec round S={args.steps}" + (f", {rounds} per call" if rounds > 1 else "")
         calls = max(1, args.n // rounds)  # about n rounds a batch, whatever the rounds per call
         t_call, h_call = compile_then_time(f"{label}: {name}", lambda n: prepared_calls(n)(), calls)
-        state = engine.spec_prefill(model, program, drafter, prompt, 6 * args.n, key)[1]
+        state = engine.spec_prefill(model, program, drafter, prompt, 6 * calls * rounds, key)[1]
         round_hlo = program.round.lower(model.weights, state).compile().as_text()
         del state
-        rows.append((name, t_call / rounds, h_call / rounds, count_kernels(round_hlo)))
+        rows.append(("round", name, t_call / rounds, h_call / rounds, count_kernels(round_hlo)))
         if args.profile and rounds == args.rounds_per_call[0]:  # only the first variant's calls are traced
             census = profile_rounds(model, args, prepared_calls, round_hlo, rounds, t_call, say)
     return rows, census
@@ -250,7 +257,7 @@ def main():
     ap.add_argument("--graphs", nargs="+", default=["split"], choices=["split", "whole"],
                     help="split: all-reduces outside the CUDA graphs (default); whole: inside (runtime.step_jit)")
     ap.add_argument("--rounds-per-call", type=int, nargs="+", default=[1],
-                    help="speculative rounds per device call (a lax.scan); per-round figures are reported")
+                    help="speculative rounds (and decode steps) per device call (a lax.scan); per-round figures")
     ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--n", type=int, default=32, help="steps per timed batch")
@@ -297,7 +304,8 @@ def main():
                 model = lingjax.Model(base.module, kernels=kernels, source=args.model, tp=tp,
                                       router_precision=args.router_precision, collectives_in_graphs=graphs == "whole")
                 measured, census = bench_kernels(model, args, prompt, say)
-                for (name, t, host, k), b in zip(measured, [bytes_decode] + [bytes_round] * len(args.rounds_per_call)):
+                for kind, name, t, host, k in measured:
+                    b = bytes_decode if kind == "decode" else bytes_round
                     floor = b / bw
                     rows.append(f"| {tp} | {variant_name(model)} | {name} | {t * 1e6:.0f} | {host * 1e6:.0f} | {k} | "
                                 f"{b / 1e6:.0f} | {floor * 1e6:.0f} | {t / floor:.2f} |")

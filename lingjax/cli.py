@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--spec", choices=["nextn"], default=None, help="speculate with the MTP layer")
     g.add_argument("--steps", type=int, default=5, help="drafts per speculative round (verify width steps+1)")
     g.add_argument("--rounds-per-call", type=int, default=1,
-                   help="speculative rounds per device call (fewer host round trips; tokens arrive in bursts)")
+                   help="speculative rounds (or decode steps) per device call: the host's cost per call is "
+                        "shared; tokens arrive in bursts, the same tokens either way")
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     g.add_argument("--kernels", choices=["xla", "pallas"], default="xla")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")

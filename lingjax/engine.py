@@ -1,5 +1,6 @@
-"""Generation: jitted prefill chunks, then a jitted step (a T=1 decode, or a speculative round),
-driven by a host loop that never waits on the step it just launched.
+"""Generation: jitted prefill chunks, then a jitted step (a T=1 decode, or a speculative round; or
+several of either in one call: rounds_per_call), driven by a host loop that never waits on the step
+it just launched.
 
 The loop runs one step ahead: step k+1 is dispatched with step k's outputs still on the device
 (each step takes the previous step's device values as inputs), and the host reads step k's
@@ -24,7 +25,10 @@ from lingjax.model import SMALL_T
 from lingjax.runtime import Model, _check_ids
 from lingjax.sampling import SamplingParams
 
-PREFILL_CHUNK = 512  # prompt tokens per prefill program (power of two)
+# Prompt tokens per prefill program (a power of two). Each chunk touches every routed expert, so each
+# reads all the weights: at Flash TP2 chunks of 2048 gave an 8192-token TTFT of 0.73 s against 1.07 s
+# with 512 (bench/results/serve_flash_h200x2_2026-11-30.md).
+PREFILL_CHUNK = 2048
 MIN_CAPACITY = 256
 SPEC_METHODS = ("nextn",)
 
@@ -92,28 +96,37 @@ def _prompt_chunks(prompt: np.ndarray) -> Iterator[tuple[int, np.ndarray, int, b
         yield start, padded, chunk.size, start + PREFILL_CHUNK >= prompt.size
 
 
-def plain_prefill(model: Model, prompt: np.ndarray, max_new_tokens: int, sampling, key):
-    """The prompt through the target in chunks -> (first new token, cache sized for max_new_tokens)."""
+def plain_prefill(model: Model, prompt: np.ndarray, max_new_tokens: int, sampling, key, rounds_per_call: int = 1):
+    """The prompt through the target in chunks -> (first new token, cache sized for max_new_tokens and
+    decode calls of rounds_per_call steps)."""
     prefill, _ = model.step_programs(sampling)
-    cache = model.new_cache(cache_capacity(prompt.size, max_new_tokens))
+    cache = model.new_cache(cache_capacity(prompt.size, max_new_tokens, rounds_per_call))
     for start, chunk, n_valid, _ in _prompt_chunks(prompt):
         token, cache = prefill(model.weights, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid), key)
     return token, cache
 
 
-def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key) -> Iterator[list[int]]:
-    """Yields each new token (as a one-element list), reading one step behind the device."""
-    _, decode = model.step_programs(sampling)
-    token, cache = plain_prefill(model, prompt, max_new_tokens, sampling, jax.random.fold_in(base_key, 0))
-    start_host_copy(token)
-    pos, produced = jnp.int32(prompt.size), 0
+def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key, rounds_per_call) -> Iterator[list[int]]:
+    """Yields each call's new tokens (the prefill's one, then rounds_per_call per decode call), reading
+    one call behind the device."""
+    _, decode = model.step_programs(sampling, rounds_per_call)
+    token, cache = plain_prefill(model, prompt, max_new_tokens, sampling, jax.random.fold_in(base_key, 0),
+                                 rounds_per_call)
+    pending, produced = token, 0
+    start_host_copy(pending)
+    pos = jnp.int32(prompt.size)
     while True:
-        pending = token
-        if produced + 1 < max_new_tokens:  # run ahead: launch the next step before reading this one
-            token, pos, cache = decode(model.weights, cache, pending, pos, base_key)
-            start_host_copy(token)
-        yield [int(host_read(pending))]
-        produced += 1
+        if produced + 1 < max_new_tokens:  # run ahead: launch the next call before reading this one
+            new, token, pos, cache = decode(model.weights, cache, token, pos, base_key)
+            start_host_copy(new)
+        else:
+            new = None
+        tokens = np.atleast_1d(host_read(pending)).tolist()
+        yield tokens
+        produced += len(tokens)
+        if new is None:
+            return
+        pending = new
 
 
 def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tokens: int, base_key):
@@ -171,8 +184,9 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
     Stops at any of stop_ids or the config's EOS ids (unless ignore_eos); on_token(id) is called as
     each token reaches the host. spec="nextn" speculates with the MTP layer, `steps` drafts a round
     (greedy output is identical to spec=None); `drafter` plugs in any other drafter object.
-    rounds_per_call > 1 runs that many speculative rounds per device call (tokens then reach the host
-    in bursts of that many rounds; the same tokens either way).
+    rounds_per_call > 1 runs that many speculative rounds (or plain decode steps) per device call: the
+    host's fixed cost per call is shared, tokens reach the host in bursts of that many rounds, and the
+    tokens are the same either way.
     """
     prompt = np.asarray(list(prompt_ids), dtype=np.int32)
     if prompt.size == 0:
@@ -181,8 +195,6 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if rounds_per_call < 1:
         raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
-    if rounds_per_call > 1 and spec is None and drafter is None:
-        raise ValueError("rounds_per_call applies to speculative rounds: pass spec= (or a drafter)")
     _check_ids(prompt, model.cfg.vocab_size)
     sampling = SamplingParams(temperature, top_k, top_p)
     stops = set(int(s) for s in stop_ids) | (set() if ignore_eos else set(model.cfg.eos_token_ids))
@@ -193,7 +205,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
 
     t0 = time.perf_counter()
     if drafter is None:
-        steps_iter = _plain_steps(model, prompt, max_new_tokens, sampling, base_key)
+        steps_iter = _plain_steps(model, prompt, max_new_tokens, sampling, base_key, rounds_per_call)
     else:
         steps_iter = _spec_steps(model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens,
                                   rounds_per_call)

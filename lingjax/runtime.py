@@ -41,7 +41,8 @@ def step_jit(fun, collectives_in_graphs: bool = False, **kwargs):
     Collectives stay out of the graphs unless collectives_in_graphs, so each all-reduce splits the
     graph (a TP2 Flash round is ~100 graph launches plus ~90 all-reduces per device, and the host
     sets the pace). Putting them inside gained nothing on `mid` at TP2, with NCCL or with XLA's
-    one-shot all-reduce kernel (bench/results/step_flash_h200x2_2026-11-29.md), and a Flash TP4 round
+    one-shot all-reduce kernel, neither host-bound (bench/results/step_flash_h200x2_2026-11-29.md) nor
+    GPU-bound at 4 rounds per call (…_2026-11-30.md), and a Flash TP4 round
     compiled that way did not finish its timing within 2.5 minutes (…_h200x4_2026-11-29.md).
     XLA's dot merger is off: the Flash profile showed it fusing each KDA layer's five projections
     into one GEMM by copying the five weight matrices into a new buffer every step (26 MB a layer,
@@ -86,7 +87,7 @@ class Model:
         ps, cs, rep, vocab = self.weight_specs, self.cache_specs, P(), P(None, sharding.AXIS)
         self._extend_logits = jax.jit(self.sharded(self._extend_logits_impl, (ps, cs, rep, rep), (vocab, cs)),
                                       donate_argnums=(1,))
-        self._step_programs = {}
+        self._prefill_programs, self._decode_programs = {}, {}
         self._spec_programs = {}
 
     @property
@@ -118,21 +119,25 @@ class Model:
         cache = init_cache(self.cfg, capacity, self.dtype)
         return sharding.place(cache, self.cache_specs, self.mesh) if self.mesh is not None else cache
 
-    def step_programs(self, sampling: SamplingParams):
+    def step_programs(self, sampling: SamplingParams, rounds_per_call: int = 1):
         """(prefill, decode) jitted for this sampling (built once, then reused):
         prefill(weights, cache, tokens, start, n_valid, key) -> (token, cache);
-        decode(weights, cache, token, pos, key) -> (next token, pos + 1, cache)."""
-        if sampling not in self._step_programs:
-            ps, cs, rep = self.weight_specs, self.cache_specs, P()
+        decode(weights, cache, token, pos, key) -> (int32 [rounds_per_call] new tokens, the last of them,
+        pos + rounds_per_call, cache): that many T=1 steps in one call (a lax.scan)."""
+        if rounds_per_call < 1:
+            raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
+        ps, cs, rep = self.weight_specs, self.cache_specs, P()
+        if sampling not in self._prefill_programs:
             prefill = self.sharded(functools.partial(self._prefill_impl, sampling=sampling),
                                    (ps, cs, rep, rep, rep, rep), (rep, cs))
-            decode = self.sharded(functools.partial(self._decode_impl, sampling=sampling),
-                                  (ps, cs, rep, rep, rep), (rep, rep, cs))
-            # pos is donated too, so the next pos lands at the same address every step: a new
-            # address would make every CUDA graph that reads it re-record (token stays: the host reads it)
-            self._step_programs[sampling] = (self.step_jit(prefill, donate_argnums=(1,)),
-                                             self.step_jit(decode, donate_argnums=(1, 3)))
-        return self._step_programs[sampling]
+            self._prefill_programs[sampling] = self.step_jit(prefill, donate_argnums=(1,))
+        if (sampling, rounds_per_call) not in self._decode_programs:
+            decode = self.sharded(functools.partial(self._decode_impl, sampling=sampling, steps=rounds_per_call),
+                                  (ps, cs, rep, rep, rep), (rep, rep, rep, cs))
+            # pos is donated too, so the next pos lands at the same address every call: a new address
+            # would make every CUDA graph that reads it re-record (the token stays: the host reads it)
+            self._decode_programs[sampling, rounds_per_call] = self.step_jit(decode, donate_argnums=(1, 3))
+        return self._prefill_programs[sampling], self._decode_programs[sampling, rounds_per_call]
 
     def spec_program(self, drafter, sampling: SamplingParams, rounds_per_call: int = 1):
         """The jitted speculative prefill/rounds for this drafter, sampling and rounds per call
@@ -160,13 +165,23 @@ class Model:
         last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False)
         return sample(module.lm_logits(last), key, sampling, self.ex), cache
 
-    def _decode_impl(self, weights, cache, token, pos, key, sampling: SamplingParams):
-        """One token at position pos -> (next token, pos + 1, cache). Everything the next step needs
-        comes back as device values; the sampling key is folded with the position on device."""
+    def _decode_impl(self, weights, cache, token, pos, key, sampling: SamplingParams, steps: int):
+        """`steps` tokens from position pos on -> ([steps] tokens, the last, pos + steps, cache).
+        Everything the next call needs comes back as device values; each step's sampling key is the
+        key folded with its position, on device, so any steps per call gives the same tokens."""
         module = self._module(weights)
-        hidden, cache = module.forward(token[None], cache, pos, 1, self.ex)
-        logits = module.lm_logits(hidden[0])
-        return sample(logits, jax.random.fold_in(key, pos), sampling, self.ex), pos + 1, cache
+
+        def step(carry, _):
+            token, pos, cache = carry
+            hidden, cache = module.forward(token[None], cache, pos, 1, self.ex)
+            token = sample(module.lm_logits(hidden[0]), jax.random.fold_in(key, pos), sampling, self.ex)
+            return (token, pos + 1, cache), token
+
+        if steps == 1:
+            (token, pos, cache), new = step((token, pos, cache), None)
+            return new[None], token, pos, cache
+        (token, pos, cache), new = jax.lax.scan(step, (token, pos, cache), length=steps)
+        return new, token, pos, cache
 
     # ---- public -----------------------------------------------------------------------------
     def logits(self, token_ids) -> np.ndarray:

@@ -34,11 +34,30 @@ def test_greedy_equals_full_forward_argmax():
     assert len(result.token_times_s) == 12 and result.ttft_s > 0 and result.tpot_mean_s > 0
 
 
-def test_prompt_longer_than_one_prefill_chunk():
+def test_prompt_longer_than_one_prefill_chunk(monkeypatch):
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 64)  # three chunk boundaries at a CPU-friendly length
     model = _tiny()
-    prompt = _prompt(engine.PREFILL_CHUNK + 77, seed=1)
+    prompt = _prompt(3 * 64 + 37, seed=1)
     result = lingjax.generate(model, prompt, 3, ignore_eos=True)
     assert result.tokens == _greedy_by_full_forward(model, prompt, 3)
+
+
+@pytest.mark.parametrize("rounds", [2, 3])
+def test_decode_steps_per_call_same_tokens(rounds):
+    """rounds_per_call decode steps in one call (a lax.scan) give one step per call's tokens: greedy,
+    sampled (keys fold in the position), a stop inside a call, max_new_tokens inside a call."""
+    model = _tiny()
+    prompt = _prompt(13, seed=4)
+    one = lingjax.generate(model, prompt, 20, ignore_eos=True).tokens
+    assert lingjax.generate(model, prompt, 20, ignore_eos=True, rounds_per_call=rounds).tokens == one
+    sampled = [lingjax.generate(model, prompt, 20, temperature=1.2, seed=7, ignore_eos=True, rounds_per_call=r).tokens
+               for r in (1, rounds)]
+    assert sampled[0] == sampled[1]
+    stop = one[rounds + 2]  # inside the second call
+    cut = lingjax.generate(model, prompt, 20, stop_ids=[stop], ignore_eos=True, rounds_per_call=rounds)
+    assert cut.tokens == one[: one.index(stop) + 1] and cut.stop_reason == "stop"
+    short = lingjax.generate(model, prompt, rounds + 2, ignore_eos=True, rounds_per_call=rounds)
+    assert short.tokens == one[: rounds + 2] and short.stop_reason == "length"
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
