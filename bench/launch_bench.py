@@ -1,6 +1,6 @@
 """Where the host's time goes at TP: per CUDA-graph launch, per all-reduce, per argument.
 
-    python bench/launch_bench.py --tp 1 2 --layers 8 32 96 --out report.md
+    python bench/launch_bench.py --tp 1 2 --layers 8 32 96 --repeat 1 8 --out report.md
 
 A Flash step at TP2 is host-bound (bench/results/step_flash_h200x2_2026-11-29.md): each all-reduce splits
 XLA's CUDA graph, so a round is ~100 graph launches plus ~90 all-reduces per device, and the profiler showed
@@ -11,6 +11,9 @@ each configuration it prints the device time per call (N calls back to back, one
 host's dispatch time per call, both also per block, for:
 - weights as `layers` separate arrays or as one stacked array (the per-argument cost of a call);
 - all-reduces outside the graphs (split) or inside (whole, collectives_in_graphs).
+- the chain run once per call, or `repeat` times in one call (a lax.scan): with the host's cost per call
+  shared, the device time per block is the GPU's own cost of a block (at TP2: GEMV + all-reduce, so the
+  TP2 - TP1 difference is an all-reduce's device cost when nothing waits on the host).
 Host dispatch ≈ device time means the host sets the pace; the slope over `layers` is the per-block cost.
 """
 
@@ -32,8 +35,9 @@ from lingjax.runtime import step_jit
 D = 2560  # Flash hidden size: the all-reduced vector is [1, D] bf16, as in decode
 
 
-def make_program(tp: int, layers: int, stacked: bool, whole: bool):
-    """-> (jitted fn(weights, x) -> x, weights, x): `layers` row-parallel GEMVs, a psum after each under TP."""
+def make_program(tp: int, layers: int, stacked: bool, whole: bool, repeat: int = 1):
+    """-> (jitted fn(weights, x) -> x, weights, x): `layers` row-parallel GEMVs, a psum after each under TP,
+    the whole chain `repeat` times."""
     mesh = sharding.make_mesh(tp) if tp > 1 else None
     keys = jax.random.split(jax.random.key(0), layers)
     draw = lambda k: (jax.random.normal(k, (D, D), jnp.float32) * D**-0.5).astype(jnp.bfloat16)
@@ -52,9 +56,14 @@ def make_program(tp: int, layers: int, stacked: bool, whole: bool):
             h = jnp.tanh(part).astype(h.dtype)
         return h
 
-    fn = body
+    def chain(ws, h):
+        if repeat == 1:
+            return body(ws, h)
+        return jax.lax.scan(lambda c, _: (body(ws, c), None), h, length=repeat)[0]
+
+    fn = chain
     if mesh is not None:
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(w_spec, P()), out_specs=P(), check_vma=False)
+        fn = jax.shard_map(chain, mesh=mesh, in_specs=(w_spec, P()), out_specs=P(), check_vma=False)
         weights = jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(mesh, s)), weights, w_spec)
     return step_jit(fn, collectives_in_graphs=whole), weights, x
 
@@ -78,26 +87,29 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 32, 96])
+    ap.add_argument("--repeat", type=int, nargs="+", default=[1, 8], help="chain runs per call (a lax.scan)")
     ap.add_argument("--n", type=int, default=50, help="calls per timed batch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lines = [f"# launch_bench: {datetime.date.today()}, {jax.devices()[0].device_kind} x{len(jax.devices())} "
              f"visible, jax {jax.__version__}", "",
-             "| tp | layers | weights | all-reduces | µs/call | host dispatch µs/call | µs/layer | host µs/layer |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| tp | layers | repeat | weights | all-reduces | µs/call | host dispatch µs/call | µs/layer | host µs/layer |",
+             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for tp in args.tp:
         for layers in args.layers:
-            for stacked in (False, True):
-                for whole in ((False, True) if tp > 1 else (False,)):
-                    fn, weights, x = make_program(tp, layers, stacked, whole)
-                    call, host = timed(fn, weights, x, args.n)
-                    row = (f"| {tp} | {layers} | {'stacked' if stacked else 'separate'} | "
-                           f"{('in graphs' if whole else 'split') if tp > 1 else '-'} | {call * 1e6:.0f} | "
-                           f"{host * 1e6:.0f} | {call / layers * 1e6:.2f} | {host / layers * 1e6:.2f} |")
-                    print(row, flush=True)
-                    lines.append(row)
-                    del fn, weights
+            for repeat in args.repeat:
+                for stacked in (False, True):
+                    for whole in ((False, True) if tp > 1 else (False,)):
+                        fn, weights, x = make_program(tp, layers, stacked, whole, repeat)
+                        call, host = timed(fn, weights, x, args.n)
+                        blocks = layers * repeat
+                        row = (f"| {tp} | {layers} | {repeat} | {'stacked' if stacked else 'separate'} | "
+                               f"{('in graphs' if whole else 'split') if tp > 1 else '-'} | {call * 1e6:.0f} | "
+                               f"{host * 1e6:.0f} | {call / blocks * 1e6:.2f} | {host / blocks * 1e6:.2f} |")
+                        print(row, flush=True)
+                        lines.append(row)
+                        del fn, weights
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
