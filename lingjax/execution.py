@@ -29,13 +29,18 @@ class Exec:
         return jax.lax.all_gather(logits, self.tp_axis, axis=-1, tiled=True) if self.tp_axis else logits
 
     def argmax_vocab(self, logits: jax.Array) -> jax.Array:
-        """argmax over the (possibly vocab-sharded) last axis, ties to the lowest id like jnp.argmax:
-        each shard's max and local argmax, pmax of the maxima, pmin of the ids that reach it."""
+        """argmax over the (possibly vocab-sharded) last axis, ties to the lowest id like jnp.argmax.
+        Under TP, ONE collective: each shard's (max, global id of its local argmax) pair, as two f32
+        (ids below 2^24 are exact), all-gathered; the first shard holding the top value wins, and
+        shards hold increasing id ranges. A pmax then a pmin would cost two collectives per argmax."""
         local = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if not self.tp_axis:
             return local
-        best = jnp.max(logits, axis=-1)
+        shards = jax.lax.axis_size(self.tp_axis)
+        if logits.shape[-1] * shards > 1 << 24:
+            raise ValueError(f"vocabulary {logits.shape[-1] * shards} too large for f32 ids in argmax_vocab")
         offset = jax.lax.axis_index(self.tp_axis) * logits.shape[-1]
-        top = jax.lax.pmax(best, self.tp_axis)
-        ids = jnp.where(best == top, local + offset, jnp.iinfo(jnp.int32).max)
-        return jax.lax.pmin(ids, self.tp_axis).astype(jnp.int32)
+        pair = jnp.stack([jnp.max(logits, axis=-1).astype(jnp.float32), (local + offset).astype(jnp.float32)], -1)
+        pairs = jax.lax.all_gather(pair, self.tp_axis)  # [shards, ..., 2]
+        winner = jnp.argmax(pairs[..., 0], axis=0)  # the first maximum: the lowest shard
+        return jnp.take_along_axis(pairs[..., 1], winner[None], axis=0)[0].astype(jnp.int32)

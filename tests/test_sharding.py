@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import lingjax
-from conftest import FIXTURES, rel_err
+from conftest import FIXTURES, key_for, rel_err
 from lingjax import sharding
 from lingjax.execution import Exec
 
@@ -76,13 +76,18 @@ def test_weights_are_sharded_and_loaded_straight_into_shards():
 def test_distributed_argmax_ties_to_lowest_id():
     mesh = sharding.make_mesh(4)
     ex = Exec(tp_axis=sharding.AXIS)
-    logits = np.zeros((3, 16), np.float32)
+    logits = np.zeros((5, 16), np.float32)
     logits[0, [5, 9]] = 2.0  # tie across shards 1 and 2
     logits[1, [13, 12]] = 1.0  # tie inside shard 3
     logits[2, :] = -1.0  # all equal
+    logits[3:] = np.asarray(jax.random.normal(key_for("argmax"), (2, 16)))
     fn = jax.shard_map(ex.argmax_vocab, mesh=mesh, in_specs=jax.sharding.PartitionSpec(None, "tp"),
                        out_specs=jax.sharding.PartitionSpec(), check_vma=False)
-    assert np.asarray(fn(logits)).tolist() == np.argmax(logits, axis=-1).tolist() == [5, 12, 0]
+    want = np.argmax(logits, axis=-1).tolist()
+    assert np.asarray(fn(logits)).tolist() == want and want[:3] == [5, 12, 0]
+    # one collective per argmax (it runs once per step and per draft)
+    prims = [str(e.primitive) for e in jax.make_jaxpr(fn)(logits).jaxpr.eqns[0].params["jaxpr"].eqns]
+    assert sum(p in ("all_gather", "pmax", "pmin", "psum", "all_reduce") for p in prims) == 1, prims
 
 
 def test_indivisible_tp_is_rejected():
