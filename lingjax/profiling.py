@@ -58,6 +58,7 @@ class Census:
     kernels_per_step: float  # device 0
     real_step_us: float | None = None  # unprofiled, measured separately
     devices: int = 1
+    peer_wait_us: float | None = None  # device 0: collective time before the last peer joined, per step
 
     @property
     def traced_idle_us(self) -> float:
@@ -162,6 +163,27 @@ def _union_us(intervals) -> float:
     return total
 
 
+def peer_wait_us(kernels: list[Kernel], device: int = 0) -> float | None:
+    """Of `device`'s collective kernels' time, the part spent before the last peer started the same
+    collective (matched across devices by name and order of occurrence, as every device runs the same
+    program): a collective kernel runs until its peers arrive, so its duration mixes waiting with the
+    transfer itself. None with fewer than two devices in the trace."""
+    devices = sorted({k.device for k in kernels})
+    if len(devices) < 2:
+        return None
+    runs = defaultdict(lambda: defaultdict(list))  # kernel name -> device -> its collectives in time order
+    for k in sorted(kernels, key=lambda k: k.start_us):
+        if _COLLECTIVE.search(f"{k.name} {k.hlo_op}"):
+            runs[k.name][k.device].append(k)
+    wait = 0.0
+    for per_device in runs.values():
+        for i, k in enumerate(per_device.get(device, [])):
+            peers = [per_device[d][i].start_us for d in devices if d != device and i < len(per_device[d])]
+            if peers:
+                wait += min(max(max(peers) - k.start_us, 0.0), k.dur_us)
+    return wait
+
+
 def census(kernels: list[Kernel], scopes: dict[str, str], steps: int, real_step_s: float | None = None,
            device: int = 0) -> Census:
     """Per-step GPU time by category on `device` over a trace of `steps` back-to-back steps."""
@@ -177,7 +199,8 @@ def census(kernels: list[Kernel], scopes: dict[str, str], steps: int, real_step_
     return Census(steps=steps, traced_step_us=window / steps, busy_us=busy / steps,
                   by_category_us={c: by[c] / steps for c in CATEGORIES}, kernels_per_step=len(mine) / steps,
                   real_step_us=None if real_step_s is None else real_step_s * 1e6,
-                  devices=len({k.device for k in kernels}))
+                  devices=len({k.device for k in kernels}),
+                  peer_wait_us=None if (wait := peer_wait_us(kernels, device)) is None else wait / steps)
 
 
 def format_census(censuses: dict[str, Census]) -> str:
@@ -191,6 +214,8 @@ def format_census(censuses: dict[str, Census]) -> str:
     rows = [f"| µs per step (share of real step) | {' | '.join(labels)} |", "|---" * (len(labels) + 1) + "|"]
     for cat in CATEGORIES:
         rows.append(f"| {cat} | " + " | ".join(cell(censuses[l].by_category_us[cat], censuses[l]) for l in labels) + " |")
+    rows.append("| of the all-reduce time: waiting for a peer (traced) | " + " | ".join(
+        cell(c.peer_wait_us, c) if c.peer_wait_us is not None else "—" for c in censuses.values()) + " |")
     rows.append("| idle in the real step (real − kernel time) | " + " | ".join(
         cell(c.real_idle_us, c) if c.real_idle_us is not None else "—" for c in censuses.values()) + " |")
     rows.append("| kernel time (union) | " + " | ".join(f"{c.busy_us:.0f}" for c in censuses.values()) + " |")

@@ -46,6 +46,7 @@ def _trace(tmp_path):
         kernel(1, 7, 85, 15, "ncclDevKernel_AllReduce_Sum_f32", "all-reduce.5"),
         kernel(1, 9, 0, 100, "fusion.1", "fusion.1"),  # derived line
         kernel(2, 7, 0, 40, "nvjet_hsh_64x8_gemm", "fusion.1"),
+        kernel(2, 7, 91, 4, "ncclDevKernel_AllReduce_Sum_f32", "all-reduce.5"),  # GPU 0 waits 6 µs of its 15
         kernel(3, 1, 0, 500, "PjitFunction(r)", ""),
     ]
     path = tmp_path / "host.trace.json.gz"
@@ -56,14 +57,17 @@ def _trace(tmp_path):
 
 def test_census_categories_union_and_calibration(tmp_path):
     kernels = profiling.load_kernels(_trace(tmp_path))
-    assert sorted({k.device for k in kernels}) == [0, 1] and len(kernels) == 6
+    assert sorted({k.device for k in kernels}) == [0, 1] and len(kernels) == 7
     c = profiling.census(kernels, profiling.op_scopes(HLO), steps=2, real_step_s=40e-6)
     assert c.by_category_us == {"MoE experts": 7.5, "router/glue": 5.0, "all-reduce": 7.5, "dense GEMM": 10.0,
                                 "KDA": 5.0, "MLA attention": 0.0}
     assert c.traced_step_us == 50.0 and c.busy_us == 32.5 and c.traced_idle_us == 17.5
     assert c.real_idle_us == 7.5 and c.kernels_per_step == 2.5 and c.devices == 2
+    assert c.peer_wait_us == 3.0  # 6 µs over 2 steps
+    assert profiling.peer_wait_us([k for k in kernels if k.device == 0]) is None
     table = profiling.format_census({"a": c, "b": c})
     assert "| MoE experts | 8 (18.8%) | 8 (18.8%) |" in table and "| traced / real | 1.25 | 1.25 |" in table
+    assert "| of the all-reduce time: waiting for a peer (traced) | 3 (7.5%) | 3 (7.5%) |" in table
     with pytest.raises(ValueError, match="no kernels of GPU 3"):
         profiling.census(kernels, {}, steps=1, device=3)
 
