@@ -62,6 +62,16 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32).astype(x.dtype)
 
 
+def narrow_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """linear for a weight of a few dozen outputs (KDA's beta, MLA's head gate: [H, D]). At decode and
+    verify sizes (T <= SMALL_T) it is a multiply-reduce, so XLA emits a reduction fusion. XLA's GEMM
+    fusion for [4, 2560] x [16, 2560] took a median 8.9 µs per layer on the H200, 43 calls and ~0.39 ms
+    of a Flash TP2 round (bench/results/step_flash_h200x2_2026-11-30.md). The reduction is not yet timed."""
+    if x.shape[0] > SMALL_T:
+        return linear(x, w)
+    return jnp.sum(x[:, None, :].astype(F32) * w[None].astype(F32), axis=-1).astype(x.dtype)
+
+
 def row_linear(x: jax.Array, w: jax.Array, ex: Exec) -> jax.Array:
     """Row-parallel projection: under TP w holds this device's slice of the inputs, so the f32
     partial sums are all-reduced (the sub-layer's one all-reduce) before the single rounding."""
@@ -121,7 +131,7 @@ class KDAAttention(nnx.Module):
             p = w.shape[1]  # channels on this device
             qkv, f, g_out = proj[:, : 3 * p], proj[:, 3 * p : 4 * p], proj[:, 4 * p :]
         with jax.named_scope("kda_gate"):
-            b = linear(x, self.b_proj)
+            b = narrow_linear(x, self.b_proj)
         conv_w = self.conv[...].reshape(-1, self.conv.shape[-1])  # [3P, W], q|k|v blocks, no copy
         window = cache.conv.reshape(cache.conv.shape[0], -1)  # [W-1, 3, P] -> [W-1, 3P], q|k|v blocks
         args = (qkv, f, b, window, conv_w, self.a_log[...], self.dt_bias[...])
@@ -175,7 +185,7 @@ class MLAAttention(nnx.Module):
             o = core(q_nope, q_pe, latent[:, :lat], latent[:, lat:], self.kv_b_proj[...], positions,
                      cfg.qk_head_dim**-0.5)
         with jax.named_scope("mla_out"):
-            gate = jax.nn.sigmoid(linear(x, self.g_proj).astype(F32))  # [T, H]
+            gate = jax.nn.sigmoid(narrow_linear(x, self.g_proj).astype(F32))  # [T, H]
             o = (o * gate[..., None]).astype(x.dtype).reshape(t, h * cfg.v_head_dim)
             y = row_linear(o, self.o_proj, paths.ex)
         return y, MLACache(latent=latent)
