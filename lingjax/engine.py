@@ -193,8 +193,6 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
         raise ValueError("prompt_ids is empty")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if rounds_per_call < 1:
-        raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
     _check_ids(prompt, model.cfg.vocab_size)
     sampling = SamplingParams(temperature, top_k, top_p)
     stops = set(int(s) for s in stop_ids) | (set() if ignore_eos else set(model.cfg.eos_token_ids))

@@ -58,6 +58,15 @@ def step_jit(fun, collectives_in_graphs: bool = False, **kwargs):
     return jax.jit(fun, **kwargs)
 
 
+def steps_in_one_call(step, carry, n: int):
+    """n applications of step(carry) -> (carry, out) inside one program (rounds_per_call): (the last
+    carry, the outputs stacked [n, ...]). A lax.scan; n == 1 runs the step once, without a loop."""
+    if n == 1:
+        carry, out = step(carry)
+        return carry, jax.tree.map(lambda a: a[None], out)
+    return jax.lax.scan(lambda c, _: step(c), carry, length=n)
+
+
 class Model:
     """A loaded Ling model. `module` is the Flax NNX LingModel (for notebooks); the methods here are
     the jitted entry points the engine uses. With tp > 1 the parameters are sharded over a mesh of
@@ -171,16 +180,13 @@ class Model:
         key folded with its position, on device, so any steps per call gives the same tokens."""
         module = self._module(weights)
 
-        def step(carry, _):
+        def step(carry):
             token, pos, cache = carry
             hidden, cache = module.forward(token[None], cache, pos, 1, self.ex)
             token = sample(module.lm_logits(hidden[0]), jax.random.fold_in(key, pos), sampling, self.ex)
             return (token, pos + 1, cache), token
 
-        if steps == 1:
-            (token, pos, cache), new = step((token, pos, cache), None)
-            return new[None], token, pos, cache
-        (token, pos, cache), new = jax.lax.scan(step, (token, pos, cache), length=steps)
+        (token, pos, cache), new = steps_in_one_call(step, (token, pos, cache), steps)
         return new, token, pos, cache
 
     # ---- public -----------------------------------------------------------------------------

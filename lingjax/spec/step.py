@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from lingjax import cache as cache_lib
+from lingjax.runtime import steps_in_one_call
 from lingjax.sampling import SamplingParams, sample
 from lingjax.spec.accept import accept
 
@@ -76,10 +77,7 @@ class SpecProgram:
 
     def _rounds(self, weights, state: SpecState):
         """-> (state after rounds_per_call rounds, int32 [rounds_per_call, S+2]: each round's output)."""
-        if self.rounds_per_call == 1:
-            state, out = self._round(weights, state)
-            return state, out[None]
-        return jax.lax.scan(lambda st, _: self._round(weights, st), state, length=self.rounds_per_call)
+        return steps_in_one_call(lambda st: self._round(weights, st), state, self.rounds_per_call)
 
     def _round(self, weights, state: SpecState):
         """-> (next state, int32 [S+2] output)."""
