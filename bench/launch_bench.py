@@ -15,13 +15,21 @@ host's dispatch time per call, both also per block, for:
   shared, the device time per block is the GPU's own cost of a block (at TP2: GEMV + all-reduce, so the
   TP2 - TP1 difference is an all-reduce's device cost when nothing waits on the host).
 Host dispatch ≈ device time means the host sets the pace; the slope over `layers` is the per-block cost.
+
+--processes N runs the TP=N rows again as N processes of one GPU each (jax.distributed, as SGLang runs
+one process per GPU): in one process, one host drives both devices and every all-reduce makes the
+devices' launch threads meet (measured: host dispatch ≈ device time at TP2 even with the chain
+repeated in one call). Rank 0 prints; its rows say "N procs".
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -39,11 +47,18 @@ def make_program(tp: int, layers: int, stacked: bool, whole: bool, repeat: int =
     """-> (jitted fn(weights, x) -> x, weights, x): `layers` row-parallel GEMVs, a psum after each under TP,
     the whole chain `repeat` times."""
     mesh = sharding.make_mesh(tp) if tp > 1 else None
-    keys = jax.random.split(jax.random.key(0), layers)
-    draw = lambda k: (jax.random.normal(k, (D, D), jnp.float32) * D**-0.5).astype(jnp.bfloat16)
-    weights = jnp.stack([draw(k) for k in keys]) if stacked else tuple(draw(k) for k in keys)
-    x = jnp.ones((1, D), jnp.bfloat16)
     w_spec = P(None, None, sharding.AXIS) if stacked else tuple(P(None, sharding.AXIS) for _ in range(layers))
+
+    def draw_all():
+        keys = jax.random.split(jax.random.key(0), layers)
+        draw = lambda k: (jax.random.normal(k, (D, D), jnp.float32) * D**-0.5).astype(jnp.bfloat16)
+        return jnp.stack([draw(k) for k in keys]) if stacked else tuple(draw(k) for k in keys)
+
+    # drawn by a jitted program straight into their shards: the one way that also works when each
+    # process holds one device (jax.distributed)
+    place = (lambda spec: NamedSharding(mesh, spec)) if mesh is not None else (lambda spec: None)
+    weights = jax.jit(draw_all, out_shardings=jax.tree.map(place, w_spec, is_leaf=lambda a: isinstance(a, P)))()
+    x = jax.jit(lambda: jnp.ones((1, D), jnp.bfloat16), out_shardings=place(P()))()
 
     def body(ws, h):
         for i in range(layers):
@@ -64,7 +79,6 @@ def make_program(tp: int, layers: int, stacked: bool, whole: bool, repeat: int =
     fn = chain
     if mesh is not None:
         fn = jax.shard_map(chain, mesh=mesh, in_specs=(w_spec, P()), out_specs=P(), check_vma=False)
-        weights = jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(mesh, s)), weights, w_spec)
     return step_jit(fn, collectives_in_graphs=whole), weights, x
 
 
@@ -83,20 +97,42 @@ def timed(fn, weights, x, n: int) -> tuple[float, float]:
     return statistics.median(per_call), statistics.median(dispatch)
 
 
+RANK_ENV = "LAUNCH_BENCH_RANK"  # set in the processes of --processes N: "rank/N/port"
+
+
+def run_processes(n: int) -> int:
+    """Runs this script as n processes of one GPU each (the TP=n rows only); their exit status."""
+    port = 20000 + os.getpid() % 20000
+    procs = [subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, RANK_ENV: f"{r}/{n}/{port}"})
+             for r in range(n)]
+    return max(p.wait() for p in procs)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 32, 96])
     ap.add_argument("--repeat", type=int, nargs="+", default=[1, 8], help="chain runs per call (a lax.scan)")
     ap.add_argument("--n", type=int, default=50, help="calls per timed batch")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="also run the TP=N rows as N processes of one GPU each (first, before this process "
+                         "takes the GPUs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    rank, procs = 0, 1
+    if RANK_ENV in os.environ:
+        rank, procs, port = (int(v) for v in os.environ[RANK_ENV].split("/"))
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=procs, process_id=rank,
+                                   local_device_ids=[rank])
+    elif args.processes > 1 and run_processes(args.processes) != 0:
+        sys.exit("the multi-process rows failed")
     lines = [f"# launch_bench: {datetime.date.today()}, {jax.devices()[0].device_kind} x{len(jax.devices())} "
-             f"visible, jax {jax.__version__}", "",
+             f"visible, jax {jax.__version__}" + (f", {procs} processes" if procs > 1 else ""), "",
              "| tp | layers | repeat | weights | all-reduces | µs/call | host dispatch µs/call | µs/layer | host µs/layer |",
              "|---|---|---|---|---|---|---|---|---|"]
-    print("\n".join(lines), flush=True)
-    for tp in args.tp:
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say("\n".join(lines), flush=True)
+    for tp in ([procs] if procs > 1 else args.tp):
         for layers in args.layers:
             for repeat in args.repeat:
                 for stacked in (False, True):
@@ -104,14 +140,16 @@ def main():
                         fn, weights, x = make_program(tp, layers, stacked, whole, repeat)
                         call, host = timed(fn, weights, x, args.n)
                         blocks = layers * repeat
-                        row = (f"| {tp} | {layers} | {repeat} | {'stacked' if stacked else 'separate'} | "
+                        row = (f"| {tp}{f' ({procs} procs)' if procs > 1 else ''} | {layers} | {repeat} | "
+                               f"{'stacked' if stacked else 'separate'} | "
                                f"{('in graphs' if whole else 'split') if tp > 1 else '-'} | {call * 1e6:.0f} | "
                                f"{host * 1e6:.0f} | {call / blocks * 1e6:.2f} | {host / blocks * 1e6:.2f} |")
-                        print(row, flush=True)
+                        say(row, flush=True)
                         lines.append(row)
                         del fn, weights
-    if args.out:
-        with open(args.out, "w") as f:
+    if args.out and rank == 0:
+        # the multi-process rows come first; this process's rows follow them in the same file
+        with open(args.out, "a" if procs == 1 and args.processes > 1 else "w") as f:
             f.write("\n".join(lines) + "\n")
 
 
