@@ -14,6 +14,7 @@ from lingjax import engine
 from lingjax.cache import commit
 from lingjax.sampling import SamplingParams
 from lingjax.spec.accept import greedy_accept, target_only_accept
+from lingjax.spec.drafters import ReplayDrafter
 
 
 @functools.cache
@@ -23,41 +24,6 @@ def _tiny():
 
 def _prompt(n, seed):
     return np.random.default_rng(seed).integers(0, 500, n).tolist()
-
-
-@dataclasses.dataclass(frozen=True)
-class OracleDrafter:
-    """Proposes the given continuation of the sequence (the target's own greedy output), with the
-    draft at absolute position p made wrong when (p² + p // 2) % corrupt_every == 0 (an irregular
-    pattern, so accept lengths vary; corrupt_every=1: every draft wrong). Its state is the sequence."""
-
-    sequence: tuple
-    steps: int
-    vocab: int
-    corrupt_every: int = 0
-
-    def init(self, module, capacity):
-        seq = np.zeros(max(capacity, len(self.sequence)) + 2 * self.steps + 2, np.int32)
-        seq[: len(self.sequence)] = self.sequence
-        return jnp.asarray(seq)
-
-    def prefill(self, module, state, tokens, hidden, start, n_valid, next_token, kernels):
-        return state
-
-    def propose(self, module, state, bonus, s, kernels):
-        positions = s + 1 + jnp.arange(self.steps)
-        drafts = jax.lax.dynamic_slice_in_dim(state, s + 1, self.steps)
-        if self.corrupt_every:
-            wrong = (positions * positions + positions // 2) % self.corrupt_every == 0
-            drafts = jnp.where(wrong, (drafts + 1) % self.vocab, drafts)
-        return drafts, state
-
-    def extend(self, module, state, tokens, hidden, s, n, kernels):
-        return state
-
-
-def _oracle(model, prompt, greedy, steps, corrupt_every=0):
-    return OracleDrafter(tuple(prompt) + tuple(greedy), steps, model.cfg.vocab_size, corrupt_every)
 
 
 # ---- lossless greedy ------------------------------------------------------------------------------
@@ -71,7 +37,7 @@ def test_nextn_greedy_equals_plain_greedy_256_tokens(steps):
         assert spec.tokens == plain
         assert len(spec.accept_lens) >= 1 and all(1 <= a <= steps + 1 for a in spec.accept_lens)
         # partly right drafts: accept lengths vary, every commit row gets used
-        oracle = _oracle(model, prompt, plain, steps, corrupt_every=3)
+        oracle = ReplayDrafter.replaying(model, prompt, plain, steps, corrupt_every=3)
         mixed = lingjax.generate(model, prompt, 256, ignore_eos=True, drafter=oracle)
         assert mixed.tokens == plain
         if steps > 1:
@@ -91,7 +57,8 @@ def test_perfect_draft_accepts_everything():
     model, steps = _tiny(), 5
     prompt = _prompt(12, 2)
     plain = lingjax.generate(model, prompt, 64, ignore_eos=True).tokens
-    result = lingjax.generate(model, prompt, 64, ignore_eos=True, drafter=_oracle(model, prompt, plain, steps))
+    replay = ReplayDrafter.replaying(model, prompt, plain, steps)
+    result = lingjax.generate(model, prompt, 64, ignore_eos=True, drafter=replay)
     assert result.tokens == plain
     assert result.accept_lens[:-1] == [steps + 1] * (len(result.accept_lens) - 1)
     assert len(result.accept_lens) == 1 + -(-(64 - 1) // (steps + 1)) - 1 or result.accept_lens[-1] == steps + 1
@@ -101,7 +68,7 @@ def test_zero_accept_every_round():
     model, steps = _tiny(), 4
     prompt = _prompt(12, 3)
     plain = lingjax.generate(model, prompt, 40, ignore_eos=True).tokens
-    wrong = _oracle(model, prompt, plain, steps, corrupt_every=1)
+    wrong = ReplayDrafter.replaying(model, prompt, plain, steps, corrupt_every=1)
     result = lingjax.generate(model, prompt, 40, ignore_eos=True, drafter=wrong)
     assert result.tokens == plain and set(result.accept_lens) == {1}
 
@@ -114,7 +81,7 @@ def test_stop_token_inside_accepted_draft():
     stop = plain[stop_at]
     first = plain.index(stop)
     result = lingjax.generate(model, prompt, 40, stop_ids=[stop], ignore_eos=True,
-                              drafter=_oracle(model, prompt, plain, steps))
+                              drafter=ReplayDrafter.replaying(model, prompt, plain, steps))
     assert result.tokens == plain[: first + 1] and result.stop_reason == "stop"
 
 
@@ -123,7 +90,8 @@ def test_max_new_tokens_inside_a_round(n):
     model = _tiny()
     prompt = _prompt(6, 5)
     plain = lingjax.generate(model, prompt, n, ignore_eos=True).tokens
-    spec = lingjax.generate(model, prompt, n, ignore_eos=True, drafter=_oracle(model, prompt, plain * 3, 5))
+    replay = ReplayDrafter.replaying(model, prompt, plain * 3, 5)
+    spec = lingjax.generate(model, prompt, n, ignore_eos=True, drafter=replay)
     assert spec.tokens == plain and len(spec.tokens) == n
 
 
@@ -136,7 +104,7 @@ def test_rounds_per_call_same_tokens_and_accept_lengths(rounds):
     model, steps = _tiny(), 3
     prompt = _prompt(11, 8)
     plain = lingjax.generate(model, prompt, 60, ignore_eos=True).tokens
-    oracle = _oracle(model, prompt, plain, steps, corrupt_every=3)
+    oracle = ReplayDrafter.replaying(model, prompt, plain, steps, corrupt_every=3)
     one = lingjax.generate(model, prompt, 60, ignore_eos=True, drafter=oracle)
     many = lingjax.generate(model, prompt, 60, ignore_eos=True, drafter=oracle, rounds_per_call=rounds)
     assert many.tokens == one.tokens == plain

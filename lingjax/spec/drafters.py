@@ -11,6 +11,7 @@ round with the merged LingModel; its state is a pytree it owns, carried in SpecS
 `ex` is the lingjax.execution.Exec of the program (kernel set, TP axis: lm_head logits are vocabulary
 shards under TP, so drafters take argmaxes through ex.argmax_vocab).
 A block drafter (DSpark) implements the same four and reuses verify/accept/commit unchanged.
+ReplayDrafter proposes a known continuation: for checking losslessness and timing at set acceptance.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lingjax.cache import MLACache, init_mla_cache
 
@@ -65,3 +67,42 @@ class NextnDrafter:
         # MTP rows at s..s+S with (y_r, h_{s+r}); row n seeds the next round, rows past n are junk.
         z, cache = module.mtp_forward(tokens, hidden, state.cache, s, tokens.shape[0], ex)
         return self._seed(module, jax.lax.dynamic_index_in_dim(z, n, keepdims=False), cache, ex)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayDrafter:
+    """Proposes a known continuation of the sequence (the target's own greedy output), with the draft
+    at absolute position p made wrong when (p² + p // 2) % corrupt_every == 0 (an irregular pattern,
+    so accept lengths vary; corrupt_every=0: every draft right, 1: every draft wrong). Its state is
+    the sequence. For checking that speculation is lossless, and for timing rounds at full or
+    controlled acceptance, with random weights, whose MTP drafts are almost never right."""
+
+    sequence: tuple
+    steps: int
+    vocab: int
+    corrupt_every: int = 0
+
+    @classmethod
+    def replaying(cls, model, prompt, greedy, steps: int, corrupt_every: int = 0) -> ReplayDrafter:
+        """Drafts `greedy` (the target's greedy tokens after `prompt`) for `model` (a lingjax.Model)."""
+        return cls(tuple(int(t) for t in prompt) + tuple(int(t) for t in greedy), steps, model.cfg.vocab_size,
+                   corrupt_every)
+
+    def init(self, module, capacity: int) -> jax.Array:
+        seq = np.zeros(max(capacity, len(self.sequence)) + 2 * self.steps + 2, np.int32)
+        seq[: len(self.sequence)] = self.sequence
+        return jnp.asarray(seq)
+
+    def prefill(self, module, state, tokens, hidden, start, n_valid, next_token, ex):
+        return state
+
+    def propose(self, module, state, bonus, s, ex):
+        positions = s + 1 + jnp.arange(self.steps)
+        drafts = jax.lax.dynamic_slice_in_dim(state, s + 1, self.steps)
+        if self.corrupt_every:
+            wrong = (positions * positions + positions // 2) % self.corrupt_every == 0
+            drafts = jnp.where(wrong, (drafts + 1) % self.vocab, drafts)
+        return drafts, state
+
+    def extend(self, module, state, tokens, hidden, s, n, ex):
+        return state
