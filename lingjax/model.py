@@ -14,6 +14,12 @@ Every forward is an "extend": T new tokens at absolute positions start..start+T-
 caches. Prefill, decode (T=1), speculative verify (T=S+1) and the cache-free full forward are all
 this one function; the math path (recurrent or chunked KDA, absorbed or expanded MLA, gathered or
 sorted experts) is chosen in one place, `paths_for`, by T and the kernel set.
+
+Row invariance (what makes bf16 speculation lossless): a decode/verify-shaped forward (T <= SMALL_T)
+runs every row-wise op (norms, projections, MLP, router, MLA attention, lm_head) on SMALL_T rows, the
+real T padded with zeros, so each GEMM has one shape whatever T is and row j rounds the same in a
+T=1 decode and in a verify. Only the ops that carry state between rows or read per-row weights take
+the real rows alone: the KDA recurrence and conv, the MLA cache write, the routed experts.
 """
 
 from __future__ import annotations
@@ -42,10 +48,16 @@ class Paths:
     kda_chunked: bool  # chunked KDA form (prefill) instead of the recurrence
     mla_absorbed: bool  # absorbed MLA (reads the latent cache directly)
     moe_gathered: bool  # the "moe_experts" op (XLA gather / Pallas grouped GEMMs), not sorted ragged_dot
+    tokens: int  # T, the forward's new tokens
+    rows: int  # rows the row-wise ops run on: SMALL_T for small T (see the module docstring), else T
     ex: Exec = Exec()  # kernel set and tensor-parallel axis
 
     def op(self, name: str):
         return self.ex.op(name)
+
+    def pad(self, x: jax.Array) -> jax.Array:
+        """[T, ...] -> [rows, ...], zero rows after the real ones."""
+        return pad_rows(x, self.rows)
 
 
 def paths_for(num_tokens: int, ex: Exec = Exec()) -> Paths:
@@ -53,7 +65,12 @@ def paths_for(num_tokens: int, ex: Exec = Exec()) -> Paths:
     # The Pallas grouped GEMMs serve every T, prefill included: they sort the pairs into blocks of 16
     # that share an expert, so even a 512-token chunk (~8 pairs per expert) reads each touched expert
     # about once, where the sorted XLA path (ragged_dot) computes densely. XLA's gather: small T only.
-    return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small or ex.kernels == "pallas", ex=ex)
+    return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small or ex.kernels == "pallas",
+                 tokens=num_tokens, rows=SMALL_T if small else num_tokens, ex=ex)
+
+
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -119,19 +136,20 @@ class KDAAttention(nnx.Module):
         self.o_proj = init.matrix(d, p)
 
     def __call__(self, cfg: LingConfig, x, cache: KDACache, n_valid, paths: Paths, stage: bool = False):
-        """Returns (y, new cache); with stage=True (verify) returns (y, KDAStaged) and the committed
-        cache is left for `lingjax.cache.commit`."""
-        t = x.shape[0]
+        """x: [rows, D], the first paths.tokens real. Returns (y, new cache); with stage=True (verify)
+        returns (y, KDAStaged) and the committed cache is left for `lingjax.cache.commit`."""
+        t = paths.tokens
         if stage and paths.kda_chunked:
             raise ValueError(f"staged (verify) forwards take at most {SMALL_T} tokens, got {t}")
         h, dk = self.b_proj.shape[0], cfg.kda_head_dim  # heads on this device (all of them without TP)
         with jax.named_scope("kda_proj"):
             w = self.in_proj[...]  # [5, P, D]: the reshape is free, the five slices are contiguous
-            proj = linear(x, w.reshape(-1, w.shape[-1]))  # [T, 5P] = q | k | v | f | g
+            proj = linear(x, w.reshape(-1, w.shape[-1]))  # [rows, 5P] = q | k | v | f | g
             p = w.shape[1]  # channels on this device
-            qkv, f, g_out = proj[:, : 3 * p], proj[:, 3 * p : 4 * p], proj[:, 4 * p :]
+            # the recurrence and the conv carry state from row to row: the real rows only
+            qkv, f, g_out = proj[:t, : 3 * p], proj[:t, 3 * p : 4 * p], proj[:, 4 * p :]
         with jax.named_scope("kda_gate"):
-            b = narrow_linear(x, self.b_proj)
+            b = narrow_linear(x, self.b_proj)[:t]
         conv_w = self.conv[...].reshape(-1, self.conv.shape[-1])  # [3P, W], q|k|v blocks, no copy
         window = cache.conv.reshape(cache.conv.shape[0], -1)  # [W-1, 3, P] -> [W-1, 3P], q|k|v blocks
         args = (qkv, f, b, window, conv_w, self.a_log[...], self.dt_bias[...])
@@ -149,9 +167,9 @@ class KDAAttention(nnx.Module):
                 windows = kda_ops.conv_windows(window, qkv).reshape((t,) + cache.conv.shape)
                 state, conv = staged[-1], windows[-1]
         with jax.named_scope("kda_out"):
-            gate = g_out.reshape(t, h, dk)
-            y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)
-            y = row_linear(y.reshape(t, h * dk), self.o_proj, paths.ex)
+            gate = g_out.reshape(paths.rows, h, dk)
+            y = gated_rms_norm(paths.pad(o), self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)
+            y = row_linear(y.reshape(paths.rows, h * dk), self.o_proj, paths.ex)
         if stage:
             return y, KDAStaged(states=staged, windows=windows)
         return y, KDACache(state=state, conv=conv)
@@ -168,6 +186,8 @@ class MLAAttention(nnx.Module):
         self.o_proj = init.matrix(d, h * cfg.v_head_dim)
 
     def __call__(self, cfg: LingConfig, x, cache: MLACache, positions, paths: Paths):
+        """x: [rows, D], the first paths.tokens real; padded rows attend too (at the positions after
+        the real ones) but write nothing."""
         t = x.shape[0]
         h = self.g_proj.shape[0]  # heads on this device
         n, r, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -178,7 +198,7 @@ class MLAAttention(nnx.Module):
             c = rms_norm(kva[:, :lat], self.kv_a_norm[...], cfg.rms_norm_eps)
             k_pe = rope_interleaved(kva[:, lat:], positions, cfg.rope_theta)
         with jax.named_scope("mla_cache_write"):
-            entry = jnp.concatenate([c, k_pe], -1).astype(cache.latent.dtype)
+            entry = jnp.concatenate([c, k_pe], -1)[: paths.tokens].astype(cache.latent.dtype)
             latent = jax.lax.dynamic_update_slice_in_dim(cache.latent, entry, positions[0], axis=0)
         with jax.named_scope("mla_attention"):
             core = mla_ops.mla_absorbed if paths.mla_absorbed else mla_ops.mla_expanded
@@ -225,9 +245,12 @@ class MoE(nnx.Module):
             )
 
     def __call__(self, cfg: LingConfig, x, paths: Paths):
-        weights, experts = self.route(cfg, x, paths)
+        """x: [rows, D]: all rows are routed (one router GEMM shape), the real ones alone reach the
+        experts (padded rows would read experts of their own)."""
+        weights, experts = (a[: paths.tokens] for a in self.route(cfg, x, paths))
         with jax.named_scope("moe_experts"):
-            args = (x, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
+            x_real = x[: paths.tokens]
+            args = (x_real, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
             shared = self.shared
             if paths.ex.kernels == "pallas" and shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]:
                 # the Pallas kernels run the shared expert as extra blocks of the same launches
@@ -236,6 +259,7 @@ class MoE(nnx.Module):
                 shared = None
             else:
                 y = (paths.op("moe_experts") if paths.moe_gathered else moe_ops.experts_sorted)(*args)
+            y = paths.pad(y)
         if shared is not None:
             with jax.named_scope("moe_shared"):
                 y = y + shared(x)
@@ -276,11 +300,12 @@ class MTPLayer(nnx.Module):
         """embedded: [T, D] embeddings of x_{p+1}; hidden: [T, D] target hidden h_p (post final norm).
         Returns (z [T, D] post final_layernorm, cache)."""
         eps = cfg.rms_norm_eps
+        embedded, hidden = paths.pad(embedded), paths.pad(hidden)
         u = jnp.concatenate([rms_norm(embedded, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)], -1)
         with jax.named_scope("eh_proj"):
             u = linear(u, self.eh_proj)
         u, cache = self.block(cfg, u, cache, positions, n_valid, paths)
-        return rms_norm(u, self.final_norm[...], eps), cache
+        return rms_norm(u, self.final_norm[...], eps)[: paths.tokens], cache
 
 
 class LingModel(nnx.Module):
@@ -323,8 +348,8 @@ class LingModel(nnx.Module):
     def _layers(self, tokens, cache, start, n_valid, ex, stage):
         cfg = self.cfg
         paths = paths_for(tokens.shape[0], ex)
-        positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        x = self.embed_tokens(tokens)
+        positions = start + jnp.arange(paths.rows, dtype=jnp.int32)
+        x = paths.pad(self.embed_tokens(tokens))
         layers, staging = [], []
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             with jax.named_scope(f"layer{i}_{cfg.layer_types[i]}"):
@@ -332,23 +357,28 @@ class LingModel(nnx.Module):
             staged = isinstance(out, KDAStaged)
             layers.append(layer_cache if staged else out)
             staging.append(out if staged else None)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), tuple(layers), tuple(staging)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)[: paths.tokens], tuple(layers), tuple(staging)
 
     def lm_logits(self, hidden):
         """hidden: [..., D] -> f32 logits [..., V] (under TP: this device's vocabulary shard; see
-        Exec.argmax_vocab / gather_vocab)."""
+        Exec.argmax_vocab / gather_vocab). Up to SMALL_T rows run as SMALL_T (row invariance: a
+        decode's one row and a verify's rows get the same GEMM)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        n = flat.shape[0]
         with jax.named_scope("lm_head"):
-            return jnp.einsum("...d,vd->...v", hidden, self.lm_head[...], preferred_element_type=F32)
+            logits = jnp.einsum("td,vd->tv", pad_rows(flat, max(n, SMALL_T)), self.lm_head[...],
+                                preferred_element_type=F32)
+        return logits[:n].reshape(hidden.shape[:-1] + logits.shape[-1:])
 
     def mtp_forward(self, tokens, hidden, cache: MLACache, start, n_valid, ex: Exec = Exec()):
         """MTP rows at positions start..start+T-1 with (x_{p+1} = tokens, h_p = hidden), the first
         n_valid real. Returns (z [T, D] post final_layernorm, the MTP layer's updated latent cache)."""
         if self.mtp is None:
             raise ValueError("this model has no MTP layer")
-        positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        paths = paths_for(tokens.shape[0], ex)
+        positions = start + jnp.arange(paths.rows, dtype=jnp.int32)
         with jax.named_scope("mtp"):
-            return self.mtp(self.cfg, self.embed_tokens(tokens), hidden, cache, positions, n_valid,
-                            paths_for(tokens.shape[0], ex))
+            return self.mtp(self.cfg, self.embed_tokens(tokens), hidden, cache, positions, n_valid, paths)
 
 
 def abstract_model(cfg: LingConfig, dtype=jnp.bfloat16, with_mtp: bool | None = None) -> LingModel:
