@@ -59,7 +59,7 @@ def test_bf16_greedy_spec_equals_plain_128_tokens(steps):
         plain = lingjax.generate(model, prompt, 128, ignore_eos=True).tokens
         assert lingjax.generate(model, prompt, 128, ignore_eos=True, spec="nextn", steps=steps).tokens == plain
         # the MTP drafts of a random model are rarely right: the oracle's make the later rows count
-        oracle = _oracle(model, prompt, plain, steps, corrupt_every=3)
+        oracle = ReplayDrafter.replaying(model, prompt, plain, steps, corrupt_every=3)
         mixed = lingjax.generate(model, prompt, 128, ignore_eos=True, drafter=oracle)
         assert mixed.tokens == plain
         if steps > 1:
