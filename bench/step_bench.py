@@ -125,7 +125,7 @@ def distinct_experts(model, prompt, window) -> list[int]:
 
         def recording(self, cfg, x, paths):
             weights, experts = route(self, cfg, x, paths)
-            chosen.append(experts)
+            chosen.append(experts[: paths.tokens])  # the padded rows' choices reach no expert
             return weights, experts
 
         MoE.route = recording

@@ -60,13 +60,15 @@ class Paths:
         return pad_rows(x, self.rows)
 
 
-def paths_for(num_tokens: int, ex: Exec = Exec()) -> Paths:
+def paths_for(num_tokens: int, ex: Exec = Exec(), pad_small: bool = True) -> Paths:
+    """pad_small=False: no row padding (the MTP drafter's forwards: a draft only decides acceptance,
+    never an emitted token, so it needs no row invariance and skips the padded rows' work)."""
     small = num_tokens <= SMALL_T
     # The Pallas grouped GEMMs serve every T, prefill included: they sort the pairs into blocks of 16
     # that share an expert, so even a 512-token chunk (~8 pairs per expert) reads each touched expert
     # about once, where the sorted XLA path (ragged_dot) computes densely. XLA's gather: small T only.
     return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small or ex.kernels == "pallas",
-                 tokens=num_tokens, rows=SMALL_T if small else num_tokens, ex=ex)
+                 tokens=num_tokens, rows=SMALL_T if small and pad_small else num_tokens, ex=ex)
 
 
 def pad_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -359,23 +361,24 @@ class LingModel(nnx.Module):
             staging.append(out if staged else None)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)[: paths.tokens], tuple(layers), tuple(staging)
 
-    def lm_logits(self, hidden):
+    def lm_logits(self, hidden, pad_small: bool = True):
         """hidden: [..., D] -> f32 logits [..., V] (under TP: this device's vocabulary shard; see
         Exec.argmax_vocab / gather_vocab). Up to SMALL_T rows run as SMALL_T (row invariance: a
-        decode's one row and a verify's rows get the same GEMM)."""
+        decode's one row and a verify's rows get the same GEMM), unless pad_small=False (drafts)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         n = flat.shape[0]
         with jax.named_scope("lm_head"):
-            logits = jnp.einsum("td,vd->tv", pad_rows(flat, max(n, SMALL_T)), self.lm_head[...],
+            logits = jnp.einsum("td,vd->tv", pad_rows(flat, max(n, SMALL_T) if pad_small else n), self.lm_head[...],
                                 preferred_element_type=F32)
         return logits[:n].reshape(hidden.shape[:-1] + logits.shape[-1:])
 
     def mtp_forward(self, tokens, hidden, cache: MLACache, start, n_valid, ex: Exec = Exec()):
         """MTP rows at positions start..start+T-1 with (x_{p+1} = tokens, h_p = hidden), the first
-        n_valid real. Returns (z [T, D] post final_layernorm, the MTP layer's updated latent cache)."""
+        n_valid real. Returns (z [T, D] post final_layernorm, the MTP layer's updated latent cache).
+        Unpadded rows (paths_for's pad_small=False): drafts need no row invariance."""
         if self.mtp is None:
             raise ValueError("this model has no MTP layer")
-        paths = paths_for(tokens.shape[0], ex)
+        paths = paths_for(tokens.shape[0], ex, pad_small=False)
         positions = start + jnp.arange(paths.rows, dtype=jnp.int32)
         with jax.named_scope("mtp"):
             return self.mtp(self.cfg, self.embed_tokens(tokens), hidden, cache, positions, n_valid, paths)

@@ -143,7 +143,7 @@ def _single_token_plan(experts, block_m: int):
     static_argnames=("limit", "block_m", "bn_up", "bk_up", "bn_down", "bk_down", "warps_up", "warps_down",
                      "stages", "shared_limit", "interpret"),
 )
-def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block_m=BLOCK_M, bn_up=None, bk_up=None,
+def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block_m=BLOCK_M, bn_up=32, bk_up=256,
                   bn_down=64, bk_down=256, warps_up=4, warps_down=4, stages=3, shared=None, shared_limit=0.0,
                   interpret=None, y_init=None):
     """Σ_k w·E_k(x) as [T, D] f32; same arguments and result as `experts_gathered`.
@@ -152,13 +152,13 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block
     experts: [T, k] int32. `shared=(w_gate [I, D], w_up [I, D], w_down [D, I])` also runs the shared expert
     (clamped at `shared_limit`) as extra blocks of the same two launches and adds it, unweighted, to the
     result. `y_init` ([NP + 1 (+ T), D] f32, tests only) seeds the output rows so that a row no kernel wrote
-    shows up. Up tiles default by T (H200 sweep, bench/results/moe_h200_2026-11-29_run3.md): 64 x 128 at
-    T = 1 (37.5 vs 39.3 µs for 32 x 256), 32 x 256 above (142.5 vs 146.6 µs at T = 6).
+    shows up. One up tile for every T: a token's row must round the same in a T=1 decode and in a
+    verify (row invariance, lingjax/model.py), and the K tile sets its summation order. 32 x 256 is the
+    best at T = 6 (H200 sweep, bench/results/moe_h200_2026-11-29_run3.md: 142.5 vs 146.6 µs for 64 x 128);
+    at T = 1 64 x 128 was 1.8 µs faster (37.5 vs 39.3 µs).
     """
     interpret = resolve_interpret(interpret)
     t, d = x.shape
-    bn_up = bn_up or (64 if t == 1 else 32)
-    bk_up = bk_up or (128 if t == 1 else 256)
     n_exp, i_dim, _ = w_gate.shape
     top_k = experts.shape[1]
     npairs = t * top_k

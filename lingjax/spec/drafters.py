@@ -46,7 +46,7 @@ class NextnDrafter:
                           g=jnp.zeros((cfg.hidden_size,), module.dtype))
 
     def _seed(self, module, z, cache, ex) -> NextnState:
-        d1 = ex.argmax_vocab(module.lm_logits(z))
+        d1 = ex.argmax_vocab(module.lm_logits(z, pad_small=False))
         return NextnState(cache=cache, d1=d1, g=z)
 
     def prefill(self, module, state, tokens, hidden, start, n_valid, next_token, ex):
@@ -60,7 +60,7 @@ class NextnDrafter:
         for i in range(1, self.steps):  # MTP row at s+i-1 with (d_i, g) predicts d_{i+1}
             z, cache = module.mtp_forward(drafts[-1][None], g[None], cache, s + i - 1, 1, ex)
             g = z[0]
-            drafts.append(ex.argmax_vocab(module.lm_logits(g)))
+            drafts.append(ex.argmax_vocab(module.lm_logits(g, pad_small=False)))
         return jnp.stack(drafts), NextnState(cache=cache, d1=state.d1, g=g)
 
     def extend(self, module, state, tokens, hidden, s, n, ex):
