@@ -233,6 +233,9 @@ def profile_rounds(model, args, prepared_calls, round_hlo, rounds, t_call, say):
     """Trace --profile-steps calls, save the trace and HLO in --profile, -> the GPU-time census per
     round or None."""
     tag = f"{args.model}_tp{model.tp}_{variant_name(model).replace('+', '_')}"
+    if rounds > 1 and model.tp == 1:
+        say(f"warning: tracing {rounds} rounds per call on one GPU: the loop is one CUDA graph and the profiler "
+            "misses most kernels inside it (census 'idle' then means unseen); list --rounds-per-call 1 first")
     launch = prepared_calls(args.profile_steps)
     with tempfile.TemporaryDirectory() as raw:
         with profiling.capture(raw) as trace:
@@ -261,7 +264,10 @@ def main():
     ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--n", type=int, default=32, help="steps per timed batch")
-    ap.add_argument("--profile", default=None, help="directory: trace the spec round and print a GPU-time census")
+    ap.add_argument("--profile", default=None,
+                    help="directory: trace the spec round and print a GPU-time census (of the first "
+                         "--rounds-per-call value: list 1 first, since at R > 1 on one GPU the whole call is one "
+                         "CUDA graph and the profiler missed most of its kernels)")
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

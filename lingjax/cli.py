@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="speculative rounds (or decode steps) per device call: the host's cost per call is "
                         "shared; tokens arrive in bursts, the same tokens either way")
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    g.add_argument("--kernels", choices=["xla", "pallas"], default="xla")
+    g.add_argument("--kernels", choices=["auto", "xla", "pallas"], default="auto",
+                   help="auto: the Pallas kernels on a GPU, the XLA references elsewhere")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
     g.add_argument("--router-precision", choices=["f32", "bf16"], default="f32",
                    help="MoE gate GEMV operands (bf16: faster, a declared rounding change)")

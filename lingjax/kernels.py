@@ -1,6 +1,8 @@
 """Kernel choice, in one place: `kernels="xla"` runs the plain-JAX references in lingjax/ops;
 `kernels="pallas"` runs the Pallas kernels in lingjax/pallas (interpret mode off the GPU, so the
-same model runs everywhere). Which op a layer needs (chain or chunked KDA, gathered or sorted MoE)
+same model runs everywhere); `kernels="auto"` (the default) is "pallas" on a GPU, "xla" elsewhere:
+on the GPU the Pallas set is the fast one and the one measured lossless for bf16 speculation
+(bench/results/lossless_h200_2026-11-30.md), off it interpret mode is only for tests. Which op a layer needs (chain or chunked KDA, gathered or sorted MoE)
 is chosen by shape in lingjax.model.paths_for; this module only picks the implementation.
 
 Each Pallas entry point takes the reference's arguments and returns its result; it may add
@@ -12,10 +14,22 @@ from __future__ import annotations
 
 import importlib
 
+import jax
+
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import moe as moe_ops
 
 KERNELS = ("xla", "pallas")
+CHOICES = ("auto",) + KERNELS
+
+
+def resolve(kernels: str) -> str:
+    """"auto" -> the kernel set for this backend; "xla" and "pallas" as given."""
+    if kernels not in CHOICES:
+        raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
+    if kernels == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return kernels
 
 # op name -> (reference, "module:function" of the Pallas implementation)
 OPS = {

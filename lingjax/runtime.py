@@ -23,7 +23,7 @@ from lingjax import checkpoint, sharding
 from lingjax.cache import ModelCache, init_cache
 from lingjax.config import PRESETS, LingConfig, preset
 from lingjax.execution import Exec
-from lingjax.kernels import KERNELS, missing_pallas_ops
+from lingjax import kernels as kernel_sets
 from lingjax.model import LingModel, abstract_model, draw, param_count
 from lingjax.sampling import SamplingParams, sample
 
@@ -247,20 +247,20 @@ def _drawer(shape, dtype, how, out_sharding):
     return jax.jit(functools.partial(draw, shape=shape, dtype=dtype, how=how), out_shardings=out_sharding)
 
 
-def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "xla", seed: int = 0,
+def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "auto", seed: int = 0,
          progress=None, tp: int = 1, router_precision: str = "f32") -> Model:
     """Load a model: a preset name (random weights: {presets}), a directory in the official
     safetensors layout, or a lingjax (orbax) checkpoint written by `lingjax convert`. tp > 1 shards
     it over that many devices (safetensors stream each tensor straight into its shards).
+    kernels: "auto" (Pallas on a GPU, the XLA references elsewhere), "pallas" or "xla".
     router_precision="bf16" runs the MoE gate GEMV on bf16 operands (the seed's speed-up; a declared
     rounding change, so parity tests keep the default "f32")."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    if kernels == "pallas" and missing_pallas_ops():
-        raise NotImplementedError(f"kernels='pallas' needs Pallas kernels not written yet: {missing_pallas_ops()}; "
-                                  "use kernels='xla'")
+    kernels = kernel_sets.resolve(kernels)
+    if kernels == "pallas" and kernel_sets.missing_pallas_ops():
+        raise NotImplementedError(f"kernels='pallas' needs Pallas kernels not written yet: "
+                                  f"{kernel_sets.missing_pallas_ops()}; use kernels='xla'")
     jdtype = DTYPES[dtype]
     source = str(path_or_preset)
     directory = Path(source)

@@ -131,6 +131,17 @@ def test_pallas_kernels_give_the_same_model():
     assert rel_err(pallas.incremental_logits(prompt, 36), xla.incremental_logits(prompt, 36)) < 1e-4
 
 
+def test_kernel_set_auto_and_bad_names(monkeypatch):
+    """"auto" is Pallas on a GPU and the XLA references elsewhere; a bad name lists the choices."""
+    from lingjax import kernels
+
+    assert lingjax.load("tiny").kernels == "xla"  # this (CPU) machine
+    monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
+    assert kernels.resolve("auto") == "pallas" and kernels.resolve("xla") == "xla"
+    with pytest.raises(ValueError, match="auto.*xla.*pallas"):
+        lingjax.load("tiny", kernels="triton")
+
+
 def test_cli_generate_streams_tokens(capsys):
     assert cli.main(["generate", "--model", "tiny", "--prompt-ids", "1 2 3", "--max-new-tokens", "5",
                      "--ignore-eos"]) == 0
