@@ -249,18 +249,22 @@ class MoE(nnx.Module):
     def __call__(self, cfg: LingConfig, x, paths: Paths):
         """x: [rows, D]: all rows are routed (one router GEMM shape), the real ones alone reach the
         experts (padded rows would read experts of their own)."""
-        weights, experts = (a[: paths.tokens] for a in self.route(cfg, x, paths))
+        weights, experts = self.route(cfg, x, paths)
+        t = paths.tokens
         with jax.named_scope("moe_experts"):
-            x_real = x[: paths.tokens]
-            args = (x_real, self.w_gate[...], self.w_up[...], self.w_down[...], weights, experts, self.limit)
+            w = (self.w_gate[...], self.w_up[...], self.w_down[...])
             shared = self.shared
-            if paths.ex.kernels == "pallas" and shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]:
-                # the Pallas kernels run the shared expert as extra blocks of the same launches
-                y = paths.op("moe_experts")(*args, shared=(shared.gate_proj[...], shared.up_proj[...],
-                                                           shared.down_proj[...]), shared_limit=shared.limit)
-                shared = None
+            if paths.ex.kernels == "pallas":
+                # the Pallas kernels read the real rows in place (no slicing launches) and run the shared
+                # expert, when its width matches, as extra blocks of the same launches
+                fuse = shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]
+                extra = dict(shared=(shared.gate_proj[...], shared.up_proj[...], shared.down_proj[...]),
+                             shared_limit=shared.limit) if fuse else {}
+                y = paths.op("moe_experts")(x, *w, weights, experts, self.limit, tokens=t, **extra)
+                shared = None if fuse else shared
             else:
-                y = (paths.op("moe_experts") if paths.moe_gathered else moe_ops.experts_sorted)(*args)
+                experts_op = paths.op("moe_experts") if paths.moe_gathered else moe_ops.experts_sorted
+                y = experts_op(x[:t], *w, weights[:t], experts[:t], self.limit)
             y = paths.pad(y)
         if shared is not None:
             with jax.named_scope("moe_shared"):

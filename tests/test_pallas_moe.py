@@ -185,6 +185,30 @@ def test_fused_experts_with_shared_expert(t):
     assert rel_err(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("t", [1, 4, 7])
+def test_fused_experts_read_the_real_rows_in_place(t, dtype):
+    """tokens=T on 16-row inputs whose padded rows hold garbage (a verify's zero-padded rows routed like
+    any other): the same bits as the T-row call, so no row is read past T and no slicing is needed;
+    with and without the fused shared expert. The align reads the first T·k ids in place too."""
+    k, rows = 4, 16
+    x, wg, wu, wd, weights, experts, shared = _expert_inputs(rows, k, dtype, "padded")
+    assert not (experts[t:] == experts[:1]).all()  # the padded rows route elsewhere
+    for extra in ({}, dict(shared=shared, shared_limit=0.7)):
+        want = fused_experts(x[:t], wg, wu, wd, weights[:t], experts[:t], 0.5, **extra)
+        got = fused_experts(x, wg, wu, wd, weights, experts, 0.5, tokens=t, **extra)
+        assert got.shape == (t, D)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        ref = moe.experts_gathered(x[:t], wg, wu, wd, weights[:t], experts[:t], 0.5)
+        ref = ref + moe.mlp(x[:t], *shared, 0.7) if extra else ref
+        assert rel_err(got, ref) <= TOL[dtype]
+    aligned = moe_align(experts, block_m=16, tokens=t)
+    for g, w in zip(aligned, moe_align(experts[:t], block_m=16)):
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(ValueError, match="tokens"):
+        fused_experts(x, wg, wu, wd, weights, experts, tokens=rows + 1)
+
+
 @pytest.mark.parametrize("fixture", fixture_dirs(), ids=lambda p: p.name)
 def test_hf_parity_with_pallas_moe(fixture, monkeypatch):
     """float32 logits within 1e-4 × max|logit| of HF with the MoE kernels in interpret mode (the KDA

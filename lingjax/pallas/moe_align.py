@@ -42,7 +42,7 @@ def n_blocks_for(num_pairs: int, block_m: int, num_experts: int | None = None) -
 
 
 def align_reference(experts: jax.Array, block_m: int, n_blocks: int | None = None):
-    """Sort-based moe_align (the reference, and the path for NP > PAIR_LIMIT). experts: [T, k] int32."""
+    """Sort-based moe_align (the reference, and the path for NP > PAIR_LIMIT). experts: [T, k] or [NP] int32."""
     flat = experts.reshape(-1).astype(_I32)
     npairs = flat.shape[0]
     nb = n_blocks or n_blocks_for(npairs, block_m)
@@ -67,13 +67,13 @@ def align_reference(experts: jax.Array, block_m: int, n_blocks: int | None = Non
 
 
 def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m, chunk):
-    # e_ref: [NPP] int32 expert per pair (NPP = NP padded to a power of 2; tail ignored)
+    # e_ref: [≥ NPP] int32 expert per pair (NPP = NP rounded up to a power of 2; entries past NP ignored)
     # ids_ref: [S] int32; blk_ref: [NB] int32; pos_ref: [NPP] int32; meta_ref: [2] int32
-    npp = e_ref.shape[0]
+    npp = pos_ref.shape[0]
     i = jax.lax.broadcasted_iota(_I32, (npp, npp), 0)  # this pair
     j = jax.lax.broadcasted_iota(_I32, (npp, npp), 1)  # the other pair
     valid = jnp.arange(npp, dtype=_I32) < npairs
-    e = jnp.where(valid, e_ref[...], jnp.iinfo(_I32).max)  # [NPP]
+    e = jnp.where(valid, e_ref[pl.ds(0, npp)], jnp.iinfo(_I32).max)  # [NPP]
     ei, ej = e[:, None], e[None, :]
     same = (ei == ej) & valid[:, None] & valid[None, :]
     rank = jnp.where(same & (j < i), 1, 0).sum(axis=1)  # stable rank inside the bucket
@@ -106,24 +106,26 @@ def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m
     jax.lax.fori_loop(0, ids_ref.shape[0] // chunk, fill, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "n_blocks", "chunk", "num_warps", "interpret"))
-def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, chunk=128, num_warps=4, interpret=None):
+@functools.partial(jax.jit, static_argnames=("block_m", "n_blocks", "tokens", "chunk", "num_warps", "interpret"))
+def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, tokens=None, chunk=128, num_warps=4, interpret=None):
     """Pair-axis moe_align, one launch; NP > PAIR_LIMIT falls back to `align_reference`.
 
-    experts: [T, k] int32. Returns (sorted_ids [S], block_expert [NB], pos [NP], meta [2]); S and NB may be
-    padded past NP·block_m and NP (to powers of 2): the extra blocks read −1 and the extra slots NP.
+    experts: [R, k] int32, of which the first `tokens` rows (default all) are aligned: NP = tokens·k. The
+    kernel reads the rows in place, so a verify's zero-padded rows (lingjax/model.py, row invariance)
+    need no slicing launch. Returns (sorted_ids [S], block_expert [NB], pos [NP], meta [2]); S and NB
+    may be padded past NP·block_m and NP (to powers of 2): the extra blocks read −1 and the extra slots NP.
     """
     interpret = resolve_interpret(interpret)
     flat = experts.reshape(-1).astype(_I32)
-    npairs = flat.shape[0]
+    npairs = (experts.shape[0] if tokens is None else tokens) * experts.shape[1]
     if npairs > PAIR_LIMIT:
-        return align_reference(experts, block_m, n_blocks)
+        return align_reference(flat[:npairs], block_m, n_blocks)
     npp = pl.next_power_of_2(npairs)
     nb = pl.next_power_of_2(n_blocks or n_blocks_for(npairs, block_m))
     slots = nb * block_m
     chunk = min(chunk, slots)
-    if npp != npairs:
-        flat = jnp.pad(flat, (0, npp - npairs))
+    if flat.shape[0] < npp:
+        flat = jnp.pad(flat, (0, npp - flat.shape[0]))
     ids, blk, pos, meta = pl.pallas_call(
         functools.partial(_align_kernel, npairs=npairs, block_m=block_m, chunk=chunk),
         out_shape=(

@@ -54,14 +54,14 @@ def _swiglu(g, u, limit):
     return act * u
 
 
-def _up_kernel(ids_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, npairs, top_k, block_m, bn, bk, limit,
+def _up_kernel(ids_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
                shared_limit):
-    # ids_ref [S] int32 (pair per slot, NP = padding); blk_ref [NB] int32 (expert per block, −1 unused)
-    # x_ref [T, D]; wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
+    # ids_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
+    # x_ref [R ≥ T, D] (rows past T unread); wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
     # h_ref [S (+ shared blocks · BM), I] in x's dtype
     *shared, h_ref = rest
     b, n = pl.program_id(0), pl.program_id(1)
-    nb, t = blk_ref.shape[0], x_ref.shape[0]
+    npairs = tokens * top_k
     e = blk_ref[jnp.minimum(b, nb - 1)]
     cols = pl.ds(n * bn, bn)
     slots = pl.ds(b * block_m, block_m)
@@ -87,17 +87,16 @@ def _up_kernel(ids_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, npairs, top_k, bl
 
         @pl.when(b >= nb)
         def _():
-            tok = jnp.minimum((b - nb) * block_m + jnp.arange(block_m), t - 1)
+            tok = jnp.minimum((b - nb) * block_m + jnp.arange(block_m), tokens - 1)
             block(tok, lambda ks: sg_ref[cols, ks], lambda ks: su_ref[cols, ks], shared_limit)
 
 
-def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, npairs, block_m, bn, bk, has_shared):
-    # ids_ref [S] int32; blk_ref [NB] int32; w_ref [NP] f32 routing weight per pair
+def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, block_m, bn, bk, has_shared):
+    # ids_ref [S] int32; blk_ref [≥ NB] int32; w_ref [≥ NP] f32 routing weight per pair
     # h_ref [S (+ shared), I]; wd_ref [E, D, I]; optional shared sd_ref [D, I]; optional aliased y_init
     # y_ref [NP + 1 (+ T), D] f32: row NP takes the padding rows, rows NP+1.. the shared expert per token
     shared, y_ref = rest[:1] if has_shared else (), rest[-1]
     b, n = pl.program_id(0), pl.program_id(1)
-    nb = blk_ref.shape[0]
     e = blk_ref[jnp.minimum(b, nb - 1)]
     cols = pl.ds(n * bn, bn)
     slots = pl.ds(b * block_m, block_m)
@@ -129,27 +128,29 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, npairs, block_m,
 def _single_token_plan(experts, block_m: int):
     """The block plan at T = 1 without an align launch: a token's top-k experts are distinct, so pair j
     gets block j alone (slot j·block_m) and the block's expert is the pair's. A constant slot table and
-    the expert ids themselves: on the H200 the pair-axis align is a ~13 µs single-program launch
+    the expert ids themselves, flat, read in place (row 0's k ids come first): on the H200 the pair-axis align is a ~13 µs single-program launch
     (bench/results/moe_h200_2026-11-29_run2.md) against a 30 µs byte floor for the whole layer. Repeated
     experts (not produced by routing) still compute correctly, each block reading its expert again."""
     top_k = experts.shape[1]
     ids = np.full((top_k * block_m,), top_k, np.int32)  # sentinel NP = top_k in the padding slots
     ids[np.arange(top_k) * block_m] = np.arange(top_k)
-    return jnp.asarray(ids), experts.reshape(top_k).astype(jnp.int32)
+    return jnp.asarray(ids), experts.reshape(-1).astype(jnp.int32)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("limit", "block_m", "bn_up", "bk_up", "bn_down", "bk_down", "warps_up", "warps_down",
-                     "stages", "shared_limit", "interpret"),
+    static_argnames=("limit", "tokens", "block_m", "bn_up", "bk_up", "bn_down", "bk_down", "warps_up",
+                     "warps_down", "stages", "shared_limit", "interpret"),
 )
-def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block_m=BLOCK_M, bn_up=32, bk_up=256,
-                  bn_down=64, bk_down=256, warps_up=4, warps_down=4, stages=3, shared=None, shared_limit=0.0,
-                  interpret=None, y_init=None):
+def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, tokens=None, block_m=BLOCK_M, bn_up=32,
+                  bk_up=256, bn_down=64, bk_down=256, warps_up=4, warps_down=4, stages=3, shared=None,
+                  shared_limit=0.0, interpret=None, y_init=None):
     """Σ_k w·E_k(x) as [T, D] f32; same arguments and result as `experts_gathered`.
 
-    x: [T, D]; w_gate/w_up: [E, I, D]; w_down: [E, D, I] (torch [out, in]); weights: [T, k] f32;
-    experts: [T, k] int32. `shared=(w_gate [I, D], w_up [I, D], w_down [D, I])` also runs the shared expert
+    x: [R, D]; w_gate/w_up: [E, I, D]; w_down: [E, D, I] (torch [out, in]); weights: [R, k] f32;
+    experts: [R, k] int32; T = `tokens` (default R): the first T rows are computed, in place, so a
+    verify's zero-padded rows (lingjax/model.py, row invariance) cost no slicing launches.
+    `shared=(w_gate [I, D], w_up [I, D], w_down [D, I])` also runs the shared expert
     (clamped at `shared_limit`) as extra blocks of the same two launches and adds it, unweighted, to the
     result. `y_init` ([NP + 1 (+ T), D] f32, tests only) seeds the output rows so that a row no kernel wrote
     shows up. One up tile for every T: a token's row must round the same in a T=1 decode and in a
@@ -158,7 +159,10 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block
     at T = 1 64 x 128 was 1.8 µs faster (37.5 vs 39.3 µs).
     """
     interpret = resolve_interpret(interpret)
-    t, d = x.shape
+    rows, d = x.shape
+    t = rows if tokens is None else tokens
+    if not 1 <= t <= rows or weights.shape[0] != rows or experts.shape[0] != rows:
+        raise ValueError(f"tokens={tokens} for x {x.shape}, weights {weights.shape}, experts {experts.shape}")
     n_exp, i_dim, _ = w_gate.shape
     top_k = experts.shape[1]
     npairs = t * top_k
@@ -169,16 +173,18 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block
     n_blocks = n_blocks_for(npairs, block_m, n_exp)
     if t == 1 and n_blocks == top_k:
         ids, blk = _single_token_plan(experts, block_m)
+        nb = top_k
     else:
-        ids, blk, _, _ = moe_align(experts, block_m=block_m, n_blocks=n_blocks, interpret=interpret)
-    nb, slots = blk.shape[0], ids.shape[0]
+        ids, blk, _, _ = moe_align(experts, block_m=block_m, n_blocks=n_blocks, tokens=t, interpret=interpret)
+        nb = blk.shape[0]
+    slots = ids.shape[0]
     ns = 0 if shared is None else pl.cdiv(t, block_m)  # shared-expert blocks
 
     def params(warps):
         return None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
     h = pl.pallas_call(
-        functools.partial(_up_kernel, npairs=npairs, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
+        functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
                           limit=float(limit), shared_limit=float(shared_limit)),
         out_shape=jax.ShapeDtypeStruct((slots + ns * block_m, i_dim), x.dtype),
         grid=(nb + ns, i_dim // bn_up),
@@ -191,10 +197,11 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, block
     aliases = {}
     if y_init is not None:
         down_args, aliases = down_args + (y_init,), {len(down_args): 0}
-    rows = npairs + 1 + (t if ns else 0)
+    out_rows = npairs + 1 + (t if ns else 0)
     y = pl.pallas_call(
-        functools.partial(_down_kernel, npairs=npairs, block_m=block_m, bn=bn_down, bk=bk_down, has_shared=ns > 0),
-        out_shape=jax.ShapeDtypeStruct((rows, d), F32),
+        functools.partial(_down_kernel, nb=nb, npairs=npairs, block_m=block_m, bn=bn_down, bk=bk_down,
+                          has_shared=ns > 0),
+        out_shape=jax.ShapeDtypeStruct((out_rows, d), F32),
         grid=(nb + ns, d // bn_down),
         input_output_aliases=aliases,
         compiler_params=params(warps_down),
