@@ -23,6 +23,7 @@ import numpy as np
 
 import lingjax
 from lingjax.spec.drafters import ReplayDrafter
+from report import Report  # bench/report.py, beside this script
 
 
 def main():
@@ -38,11 +39,7 @@ def main():
     ap.add_argument("--out", default=None, help="write the markdown report here too")
     args = ap.parse_args()
 
-    lines = []
-
-    def say(text=""):
-        print(text, flush=True)
-        lines.append(text)
+    say = Report(args.out)
 
     say(f"# lossless_check: greedy speculative == plain greedy, {args.dtype}, S={args.steps}, tp {args.tp}")
     say(f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} ({jax.default_backend()}), "
@@ -75,9 +72,6 @@ def main():
                         f"{'-' if diff is None else diff} | {spec.mean_accept_len:.2f} |")
     say()
     say("all equal" if not failed else "SOME ROWS DIFFER")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
     sys.exit(1 if failed else 0)
 
 

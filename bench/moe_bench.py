@@ -32,6 +32,7 @@ from lingjax.ops import moe as moe_ops
 from lingjax.pallas.moe_align import BLOCK_M, align_reference, moe_align
 from lingjax.pallas.moe_experts import fused_experts
 from lingjax.pallas.moe_router import LEGACY, route
+from report import Report  # bench/report.py, beside this script
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # the Flash clamps of the late layers (ling3_architecture.md §6.3)
@@ -109,14 +110,8 @@ def main():
     ts = (1, 6) if smoke else (1, 6, 16)
     ts_all = (1, 6, 16)  # the router section is cheap: T = 16 (NP past the pair-axis align) in the smoke run too
     n_iter, reps = (1, 1) if smoke else (30, 7)
-    lines, fails = [], []
-
-    def say(s=""):
-        print(s, flush=True)
-        lines.append(s)
-        if args.out:  # rewritten each line, so a run cut short still leaves its results
-            with open(args.out, "w") as f:
-                f.write("\n".join(lines) + "\n")
+    fails = []
+    say = Report(args.out)
 
     dev = jax.devices()[0]
     say(f"# MoE layer on {dev.device_kind} ({jax.default_backend()})")

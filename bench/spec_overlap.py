@@ -27,6 +27,7 @@ import numpy as np
 import lingjax
 from lingjax import engine
 from lingjax.sampling import SamplingParams
+from report import Report  # bench/report.py, beside this script
 
 
 def _spec_state(model, program, drafter, prompt, max_new):
@@ -85,11 +86,7 @@ def main():
     ap.add_argument("--out", default=None, help="write the markdown report here too")
     args = ap.parse_args()
 
-    lines = []
-
-    def say(text=""):
-        print(text, flush=True)
-        lines.append(text)
+    say = Report(args.out)
 
     t = time.perf_counter()
     model = lingjax.load(args.model, dtype=args.dtype)
@@ -139,9 +136,6 @@ def main():
     same = spec.tokens == plain.tokens
     first_diff = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b), None)
     say(f"greedy speculative == plain ({args.dtype}): {same}" + ("" if same else f" (first difference at token {first_diff})"))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ import lingjax
 from lingjax import engine, profiling
 from lingjax.config import KDA, MOE
 from lingjax.sampling import SamplingParams
+from report import Report  # bench/report.py, beside this script
 
 LAUNCH = re.compile(r"=\s*\S+\s+(fusion|custom-call|cublas\S*|all-reduce\S*|all-gather\S*|copy|dot|convolution|"
                     r"gather|scatter|sort|dynamic-update-slice|reduce)\(")
@@ -273,11 +274,7 @@ def main():
     args = ap.parse_args()
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-    lines = []
-
-    def say(text=""):
-        print(text, flush=True)
-        lines.append(text)
+    say = Report(args.out)
 
     bw = bandwidth()
     say(f"# step_bench: {args.model}, bf16, S={args.steps}, router {args.router_precision}, tp {args.tp}")
@@ -334,9 +331,6 @@ def main():
             f"in {args.profile}):")
         say()
         say(profiling.format_census(censuses))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
