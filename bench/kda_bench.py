@@ -168,11 +168,10 @@ def jax_main(out_path):
     results["bandwidth_GBps"] = bw / 1e9
     print(f"bf16 copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
 
-    def chain_inputs(key, t):
-        ks = jax.random.split(key, 5)
-        return (jax.random.normal(ks[0], (R, t, 3 * P), bf16), jax.random.normal(ks[1], (R, t, P), bf16),
-                jax.random.normal(ks[2], (R, t, H), bf16), jax.random.normal(ks[3], (R, W - 1, 3 * P), bf16),
-                jax.random.normal(ks[4], (R, H, D, D), f32))
+    def chain_inputs(key, t):  # proj [t, 5P] (the in_proj output: q|k|v|f read, g not), b, window, state
+        ks = jax.random.split(key, 4)
+        return (jax.random.normal(ks[0], (R, t, 5 * P), bf16), jax.random.normal(ks[1], (R, t, H), bf16),
+                jax.random.normal(ks[2], (R, W - 1, 3 * P), bf16), jax.random.normal(ks[3], (R, H, D, D), f32))
 
     kw = jax.random.split(jax.random.key(1), 3)
     conv_w = 0.5 * jax.random.normal(kw[0], (3 * P, W), f32)
@@ -190,8 +189,8 @@ def jax_main(out_path):
         def run(xs):
             def body(i, carry):
                 al = a_log + i.astype(f32) * 0.0  # keeps the calls inside the loop
-                return tuple(fn(*(a[r] for a in xs[:4]), conv_w, al, dt_bias, xs[4][r]) for r in range(R))
-            shapes = jax.eval_shape(lambda: fn(*(a[0] for a in xs[:4]), conv_w, a_log, dt_bias, xs[4][0]))
+                return tuple(fn(*(a[r] for a in xs[:3]), conv_w, al, dt_bias, xs[3][r]) for r in range(R))
+            shapes = jax.eval_shape(lambda: fn(*(a[0] for a in xs[:3]), conv_w, a_log, dt_bias, xs[3][0]))
             init = tuple(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes) for _ in range(R))
             return lax.fori_loop(0, iters, body, init)
         return run
@@ -200,7 +199,7 @@ def jax_main(out_path):
         return tuple([a[r] for r in range(R)] for a in xs)
 
     def chain_args(xs, r):  # kda_chain_verify's positional arguments from rotation set r
-        return (*(a[r] for a in xs[:4]), conv_w, a_log, dt_bias, xs[4][r])
+        return (*(a[r] for a in xs[:3]), conv_w, a_log, dt_bias, xs[3][r])
 
     def add_row(name, us, floor_us, **extra):
         row = dict(name=name, us=us, floor_us=floor_us, ratio=us / floor_us, **extra)
@@ -221,12 +220,12 @@ def jax_main(out_path):
     # ---- chain-verify: variants checked against the reference, then timed; most promising first
     xs_t = {t: split(chain_inputs(jax.random.key(100 + t), t)) for t in TS}
     with jax.default_matmul_precision("highest"):
-        refs = {t: jax.jit(lambda *a: kda.kda_chain(*a, **cfg))(*chain_args(xs_t[t], 0)) for t in TS}
+        refs = {t: jax.jit(functools.partial(kda.kda_chain, tokens=t, **cfg))(*chain_args(xs_t[t], 0)) for t in TS}
     chain = {}  # (variant label, T) -> row
 
     def time_chain(label, opts, t):
         try:
-            fn = lambda *a: kda_chain_verify(*a, **cfg, **opts)
+            fn = functools.partial(kda_chain_verify, tokens=t, **cfg, **opts)
             t0 = time.perf_counter()
             o, st = fn(*chain_args(xs_t[t], 0))
             err = max(rel(o, refs[t][0]), rel(st, refs[t][1]))
@@ -259,7 +258,7 @@ def jax_main(out_path):
 
     # ---- commit
     for t in TS:
-        wins = kda.conv_windows(xs_t[t][3][0], xs_t[t][0][0])
+        wins = kda.conv_windows(xs_t[t][2][0], xs_t[t][0][0][:, :3 * P])
         for n in (0, t - 1):
             s, w = kda_commit(refs[t][1], wins, jnp.int32(n))
             ok = bool((s == refs[t][1][n]).all() and (w == wins[n]).all())
@@ -322,7 +321,7 @@ def jax_main(out_path):
 
     # ---- optional while the budget lasts: XLA references, the rest of the chain sweep, more prefill tiles
     def xla_chain(t):
-        fn = lambda *a: kda.kda_chain(*a, **cfg)
+        fn = functools.partial(kda.kda_chain, tokens=t, **cfg)
         us = median_time(chain_loop(fn, 1), (xs_t[t],), R, reps=5)
         chain["xla kda_chain", t] = add_row(f"xla kda_chain T={t}", us, chain_floor(t), T=t)
 

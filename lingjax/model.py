@@ -148,29 +148,32 @@ class KDAAttention(nnx.Module):
             w = self.in_proj[...]  # [5, P, D]: the reshape is free, the five slices are contiguous
             proj = linear(x, w.reshape(-1, w.shape[-1]))  # [rows, 5P] = q | k | v | f | g
             p = w.shape[1]  # channels on this device
-            # the recurrence and the conv carry state from row to row: the real rows only
-            qkv, f, g_out = proj[:t, : 3 * p], proj[:t, 3 * p : 4 * p], proj[:, 4 * p :]
+            # the recurrence and the conv carry state from row to row: they read the real rows only
+            qkv, g_out = proj[:t, : 3 * p], proj[:, 4 * p :]
         with jax.named_scope("kda_gate"):
-            b = narrow_linear(x, self.b_proj)[:t]
+            b = narrow_linear(x, self.b_proj)  # [rows, H]
         conv_w = self.conv[...].reshape(-1, self.conv.shape[-1])  # [3P, W], q|k|v blocks, no copy
         window = cache.conv.reshape(cache.conv.shape[0], -1)  # [W-1, 3, P] -> [W-1, 3P], q|k|v blocks
-        args = (qkv, f, b, window, conv_w, self.a_log[...], self.dt_bias[...])
+        params = (window, conv_w, self.a_log[...], self.dt_bias[...])
         gate_cfg = dict(num_heads=h, safe_gate=cfg.kda_safe_gate, lower_bound=cfg.kda_lower_bound)
         with jax.named_scope("kda_recurrence"):
-            if paths.kda_chunked:
-                q, k, v, g, beta, conv = kda_ops.kda_prepare(*args, n_valid, **gate_cfg)
+            if paths.kda_chunked:  # rows == T: no padding rows to skip
+                q, k, v, g, beta, conv = kda_ops.kda_prepare(qkv, proj[:t, 3 * p : 4 * p], b[:t], *params, n_valid,
+                                                             **gate_cfg)
                 # q, k, v at the activations' precision, as the checkpoint's own model feeds fla's chunk_kda
                 # (the Pallas prefill then takes its bf16 path; the state stays f32)
                 q, k, v = (a.astype(x.dtype) for a in (q, k, v))
                 conv = conv.reshape(cache.conv.shape)
                 o, state = paths.op("kda_chunked")(q, k, v, g, beta, cache.state)
             else:  # every row is valid on this path (prefill pads only to chunked sizes)
-                o, staged = paths.op("kda_chain")(*args, cache.state, **gate_cfg)
-                windows = kda_ops.conv_windows(window, qkv).reshape((t,) + cache.conv.shape)
+                # proj and b whole: the op reads the real rows in place and returns o on all rows, zero
+                # past T, so no slice or pad kernel sits on either side of it
+                o, staged = paths.op("kda_chain")(proj, b, *params, cache.state, tokens=t, **gate_cfg)
+                windows = kda_ops.conv_windows(window, qkv).reshape((t,) + cache.conv.shape)  # qkv's slice fuses in
                 state, conv = staged[-1], windows[-1]
         with jax.named_scope("kda_out"):
             gate = g_out.reshape(paths.rows, h, dk)
-            y = gated_rms_norm(paths.pad(o), self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)
+            y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)  # o: [rows, H, V]
             y = row_linear(y.reshape(paths.rows, h * dk), self.o_proj, paths.ex)
         if stage:
             return y, KDAStaged(states=staged, windows=windows)

@@ -181,25 +181,26 @@ def test_swiglu_limit_clamps_after_silu():
 
 
 def test_kda_chain_contract_matches_prepare_and_recurrence():
-    """kda_chain (the fused kernel's contract) = kda_prepare + recurrence with every state staged;
-    conv_windows stages the window after each row."""
-    t, h, d, w = 6, 3, 8, 4
-    ks = jax.random.split(key_for("chain"), 8)
+    """kda_chain (the fused kernel's contract) = kda_prepare + recurrence with every state staged, on
+    the first T rows of the unsliced projections (the rest garbage, their o rows zero); conv_windows
+    stages the window after each row."""
+    t, rows, h, d, w = 6, 9, 3, 8, 4
+    ks = jax.random.split(key_for("chain"), 7)
     p = h * d
-    qkv = jax.random.normal(ks[0], (t, 3 * p))
-    f = jax.random.normal(ks[1], (t, p))
-    b = jax.random.normal(ks[2], (t, h))
-    window = jax.random.normal(ks[3], (w - 1, 3 * p))
-    conv_w = 0.5 * jax.random.normal(ks[4], (3 * p, w))
-    a_log = jnp.log(jax.random.uniform(ks[5], (h,), minval=1, maxval=16))
-    dt_bias = jax.random.normal(ks[6], (p,))
-    state = jax.random.normal(ks[7], (h, d, d))
-    args = (qkv, f, b, window, conv_w, a_log, dt_bias)
+    proj = jax.random.normal(ks[0], (rows, 5 * p))  # q|k|v|f|g
+    b = jax.random.normal(ks[1], (rows, h))
+    window = jax.random.normal(ks[2], (w - 1, 3 * p))
+    conv_w = 0.5 * jax.random.normal(ks[3], (3 * p, w))
+    a_log = jnp.log(jax.random.uniform(ks[4], (h,), minval=1, maxval=16))
+    dt_bias = jax.random.normal(ks[5], (p,))
+    state = jax.random.normal(ks[6], (h, d, d))
     cfg = dict(num_heads=h, safe_gate=True, lower_bound=-5.0)
-    o, staged = kda.kda_chain(*args, state, **cfg)
-    assert staged.shape == (t, h, d, d)
+    o, staged = kda.kda_chain(proj, b, window, conv_w, a_log, dt_bias, state, tokens=t, **cfg)
+    assert o.shape == (rows, h, d) and staged.shape == (t, h, d, d)
+    assert (np.asarray(o[t:]) == 0).all()
+    qkv, f = proj[:t, : 3 * p], proj[:t, 3 * p : 4 * p]
     for n in range(1, t + 1):  # state after row n-1 == running the first n rows alone
-        q, k, v, g, beta, win = kda.kda_prepare(*(a[:n] if i < 3 else a for i, a in enumerate(args)), n, **cfg)
+        q, k, v, g, beta, win = kda.kda_prepare(qkv[:n], f[:n], b[:n], window, conv_w, a_log, dt_bias, n, **cfg)
         o_n, s_n = kda.kda_recurrent(q, k, v, g, beta, state)
         assert rel_err(staged[n - 1], s_n) < 1e-6 and rel_err(o[:n], o_n) < 1e-6
         assert rel_err(kda.conv_windows(window, qkv)[n - 1], win) == 0.0

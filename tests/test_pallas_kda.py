@@ -1,6 +1,6 @@
 """Pallas KDA kernels (interpret mode on the CPU) against their plain-JAX references:
-chain-verify at every T in 1..16, commit, chunked prefill, and the model with kernels="pallas"
-for the KDA ops."""
+chain-verify at every T in 1..16 (and on padded rows), commit, chunked prefill, and the model with
+kernels="pallas" for the KDA ops."""
 
 import jax
 import jax.numpy as jnp
@@ -16,17 +16,23 @@ from lingjax.pallas.kda_prefill import default_precision, kda_chunked_prefill
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
-def _chain_inputs(seed, t, h, d, dtype, w=4):
-    ks = jax.random.split(key_for("pallas-chain", seed, t, h, d, str(dtype)), 8)
+def _chain_inputs(seed, rows, h, d, dtype, w=4):
+    """The chain op's positional arguments on `rows` rows of random projections: the rows past the
+    tokens a test passes are garbage the op must not read."""
+    ks = jax.random.split(key_for("pallas-chain", seed, rows, h, d, str(dtype)), 7)
     p = h * d
-    return (jax.random.normal(ks[0], (t, 3 * p)).astype(dtype),  # qkv
-            jax.random.normal(ks[1], (t, p)).astype(dtype),  # f
-            jax.random.normal(ks[2], (t, h)).astype(dtype),  # b
-            jax.random.normal(ks[3], (w - 1, 3 * p)).astype(dtype),  # window
-            0.5 * jax.random.normal(ks[4], (3 * p, w)),  # conv_w
-            jnp.log(jax.random.uniform(ks[5], (h,), minval=1, maxval=16)),  # a_log
-            jax.random.normal(ks[6], (p,)),  # dt_bias
-            jax.random.normal(ks[7], (h, d, d)))  # state
+    return (jax.random.normal(ks[0], (rows, 5 * p)).astype(dtype),  # proj: q|k|v|f|g, as the model's in_proj
+            jax.random.normal(ks[1], (rows, h)).astype(dtype),  # b
+            jax.random.normal(ks[2], (w - 1, 3 * p)).astype(dtype),  # window
+            0.5 * jax.random.normal(ks[3], (3 * p, w)),  # conv_w
+            jnp.log(jax.random.uniform(ks[4], (h,), minval=1, maxval=16)),  # a_log
+            jax.random.normal(ks[5], (p,)),  # dt_bias
+            jax.random.normal(ks[6], (h, d, d)))  # state
+
+
+def _real_rows(args, t):
+    """The same arguments with proj and b cut to their first t rows (rows == T)."""
+    return (args[0][:t], args[1][:t]) + args[2:]
 
 
 # kda_chain_verify options: the first measured version, each option alone, and the default (both on)
@@ -36,15 +42,20 @@ CHAIN_OPTS = {"first": dict(hoist_loads=False, parallel_read=False),
               "hoisted-parallel": {}}
 
 
-def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, **opts):
-    args = _chain_inputs(seed, t, h, d, dtype)
-    cfg = dict(num_heads=h, safe_gate=safe, lower_bound=-5.0)
+def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, rows=None, **opts):
+    """T = t tokens of `rows` (default t) rows against the reference; rows past t must come out zero."""
+    rows = rows or t
+    args = _chain_inputs(seed, rows, h, d, dtype)
+    cfg = dict(tokens=t, num_heads=h, safe_gate=safe, lower_bound=-5.0)
     o, staged = kda_chain_verify(*args, **cfg, block_v=block_v, **opts)
     o_ref, staged_ref = kda.kda_chain(*args, **cfg)
-    assert o.shape == (t, h, d) and staged.shape == (t, h, d, d)
-    # interpret mode fills outputs with NaN before the kernel runs: rel_err fails on any unwritten element
+    assert o.shape == o_ref.shape == (rows, h, d) and staged.shape == staged_ref.shape == (t, h, d, d)
+    # interpret mode fills outputs with NaN before the kernel runs: rel_err fails on any unwritten element,
+    # and so does the exact zero check of the padding rows
     assert rel_err(o, o_ref) <= TOL[dtype]
     assert rel_err(staged, staged_ref) <= TOL[dtype]
+    assert np.array_equal(np.asarray(o[t:]), np.zeros((rows - t, h, d)))
+    assert np.array_equal(np.asarray(o_ref[t:]), np.zeros((rows - t, h, d)))
     return args, o, staged
 
 
@@ -74,7 +85,8 @@ def test_chain_verify_tiles_and_gate_forms(opts):
     """BV tiling (down to 4 columns) does not change results; the non-safe gate is fused too."""
     opts = CHAIN_OPTS[opts]
     args, _, staged = _check_chain(3, 1, 32, jnp.float32, 7, block_v=4, **opts)
-    _, staged_wide = kda_chain_verify(*args, num_heads=1, safe_gate=True, lower_bound=-5.0, block_v=32, **opts)
+    _, staged_wide = kda_chain_verify(*args, tokens=3, num_heads=1, safe_gate=True, lower_bound=-5.0, block_v=32,
+                                      **opts)
     assert rel_err(staged, staged_wide) <= 1e-6
     _check_chain(3, 1, 32, jnp.float32, 8, safe=False, block_v=4, **opts)
 
@@ -83,9 +95,9 @@ def test_chain_verify_tiles_and_gate_forms(opts):
 @pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
 def test_chain_verify_tiles_per_program(tiles, opts):
     """Several V tiles per program (prologue once per program) give the one-tile results."""
-    for t, h, dtype in ((1, 3, jnp.float32), (7, 5, jnp.float32), (16, 3, jnp.bfloat16)):
-        args, o, staged = _check_chain(t, h, 32, dtype, 9, tiles_per_program=tiles, **CHAIN_OPTS[opts])
-        o1, staged1 = kda_chain_verify(*args, num_heads=h, safe_gate=True, lower_bound=-5.0, block_v=8,
+    for t, h, dtype, rows in ((1, 3, jnp.float32, None), (7, 5, jnp.float32, 16), (16, 3, jnp.bfloat16, None)):
+        args, o, staged = _check_chain(t, h, 32, dtype, 9, rows=rows, tiles_per_program=tiles, **CHAIN_OPTS[opts])
+        o1, staged1 = kda_chain_verify(*args, tokens=t, num_heads=h, safe_gate=True, lower_bound=-5.0, block_v=8,
                                        **CHAIN_OPTS[opts])
         assert rel_err(o, o1) <= 1e-6 and rel_err(staged, staged1) <= 1e-6
 
@@ -96,17 +108,36 @@ def test_chain_verify_head_dim_128(opts):
 
 
 @pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chain_verify_padded_rows(dtype, opts):
+    """T real rows of 16, as a decode/verify forward passes them, the padding rows random garbage:
+    the reference's results, zero output rows past T (_check_chain), and row invariance bit for bit:
+    the same as the call on the real rows alone, and row j the same whatever T."""
+    h, d, rows = 3, 16, 16
+    cfg = dict(num_heads=h, safe_gate=True, lower_bound=-5.0, block_v=8, **CHAIN_OPTS[opts])
+    out = {}
+    for t in (1, 4, 7):  # seed 12 throughout: the same 16 input rows, the first T real
+        args, o, staged = _check_chain(t, h, d, dtype, 12, rows=rows, **CHAIN_OPTS[opts])
+        o_real, staged_real = kda_chain_verify(*_real_rows(args, t), tokens=t, **cfg)
+        assert np.array_equal(np.asarray(o[:t]), np.asarray(o_real))
+        assert np.array_equal(np.asarray(staged), np.asarray(staged_real))
+        out[t] = np.asarray(o), np.asarray(staged)
+    for t in (1, 4):
+        assert np.array_equal(out[t][0][:t], out[7][0][:t]) and np.array_equal(out[t][1], out[7][1][:t])
+
+
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
 def test_chain_verify_rows_equal_sequential_decode(opts):
     """Verify row r's staged state = r+1 decode steps (T=1 calls) with the window carried along."""
     t, h, d = 5, 3, 16
     args = _chain_inputs(11, t, h, d, jnp.float32)
-    qkv, f, b, window, conv_w, a_log, dt_bias, state = args
+    proj, b, window, conv_w, a_log, dt_bias, state = args
     cfg = dict(num_heads=h, safe_gate=True, lower_bound=-5.0, **CHAIN_OPTS[opts])
-    o, staged = kda_chain_verify(*args, **cfg)
+    o, staged = kda_chain_verify(*args, tokens=t, **cfg)
     s, win = state, window
     for r in range(t):
-        o_r, st_r = kda_chain_verify(qkv[r:r + 1], f[r:r + 1], b[r:r + 1], win, conv_w, a_log, dt_bias, s, **cfg)
-        s, win = st_r[0], kda.conv_windows(win, qkv[r:r + 1])[0]
+        o_r, st_r = kda_chain_verify(proj[r:r + 1], b[r:r + 1], win, conv_w, a_log, dt_bias, s, tokens=1, **cfg)
+        s, win = st_r[0], kda.conv_windows(win, proj[r:r + 1, :3 * h * d])[0]
         assert rel_err(staged[r], s) <= 1e-5 and rel_err(o[r], o_r[0]) <= 1e-5
 
 

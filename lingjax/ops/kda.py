@@ -2,6 +2,8 @@
 
 Shapes: T tokens, H heads, K = V = d head dim, C = 3·H·d conv channels, W conv width.
 The state S_h is [K, V] (rows = key channels), kept in f32.
+kda_chain, the decode/verify contract, takes the projections on all the forward's `rows` >= T rows
+(the first T real, the rest padding: row invariance in lingjax.model) and returns o on all of them.
 """
 
 import jax
@@ -65,17 +67,24 @@ def kda_prepare(qkv, f, b, window, conv_w, a_log, dt_bias, n_valid, *, num_heads
     return l2norm(q) * d**-0.5, l2norm(k), v, g, beta, new_window
 
 
-def kda_chain(qkv, f, b, window, conv_w, a_log, dt_bias, state, *, num_heads, safe_gate, lower_bound):
-    """Decode / verify over T new tokens, all valid: the contract of the fused chain-verify kernel.
+def kda_chain(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate, lower_bound):
+    """Decode / verify over T = `tokens` new tokens, all valid: the contract of the fused chain-verify kernel.
 
-    Arguments as kda_prepare (without n_valid) plus the committed state [H, K, V] f32, which is only read.
-    Returns (o [T, H, V] f32 core output before the output norm, staged [T, H, K, V] f32: the state
-    after each row). The conv windows to stage come from conv_windows(window, qkv).
+    proj: [rows, >=4P] the layer's in_proj output (q|k|v in columns [0, 3P), f in [3P, 4P), further
+    columns ignored); b: [rows, H] b_proj. Only rows < T are read: rows is the forward's padded row
+    count (lingjax.model), 1 <= T <= rows. window, conv_w, a_log, dt_bias as kda_prepare, plus the
+    committed state [H, K, V] f32, which is only read. Taking the unsliced projections and returning
+    the padded o spare the caller a slice or pad kernel on each side of the fused one.
+    Returns (o [rows, H, V] f32 core output before the output norm, zero in rows >= T; staged
+    [T, H, K, V] f32: the state after each row). The conv windows to stage come from
+    conv_windows(window, proj[:T, :3P]).
     """
-    q, k, v, g, beta, _ = kda_prepare(qkv, f, b, window, conv_w, a_log, dt_bias, qkv.shape[0],
+    p = dt_bias.shape[0]
+    q, k, v, g, beta, _ = kda_prepare(proj[:tokens, : 3 * p], proj[:tokens, 3 * p : 4 * p], b[:tokens], window,
+                                      conv_w, a_log, dt_bias, tokens,
                                       num_heads=num_heads, safe_gate=safe_gate, lower_bound=lower_bound)
     o, _, staged = kda_recurrent(q, k, v, g, beta, state, return_states=True)
-    return o, staged
+    return jnp.pad(o, [(0, proj.shape[0] - tokens), (0, 0), (0, 0)]), staged
 
 
 def kda_step(state, q, k, v, g, beta):

@@ -6,11 +6,18 @@ beta for its head (cheap, V-independent, so duplicated per program), runs the ga
 the T <= 16 new rows and writes the state after every row to `staged` and the output row to `o`.
 Every K-reduction is over the whole K axis of one tile, so results do not depend on BV.
 
+The inputs are the layer's in_proj and b_proj outputs on all the forward's rows (lingjax.model: a
+decode/verify forward runs the projections on 16 zero-padded rows, the first T = `tokens` real). The
+kernel reads q|k|v, f and b of the T real rows in place, at their column offsets, and writes zeros
+to the output rows past T: slicing the inputs and padding `o` in XLA cost four small kernels around
+every KDA layer's call. Row j's results (o[j], staged[j]) depend on input rows 0..j, the window and
+the state alone, never on T or the row count (row invariance, see lingjax.model).
+
 Each program is a serial chain (T rows, a few cross-warp reductions each) and, at H = 32 and
 BV = 16, all programs are resident at once, so the time is one program's latency. Options of
 kda_chain_verify that shorten that chain (hoist_loads and parallel_read are on by default: on an H200,
 bench/results/kda_h200_2026-11-29.md, they took T = 1/6/16 from 9.3/17.1/47.5 µs to 7.5/13.2/45.8):
-- hoist_loads: issue every global read (state tiles, the T rows of qkv/f/b, window, conv weights)
+- hoist_loads: issue every global read (state tiles, the T rows of q|k|v, f and b, window, conv weights)
   before the first reduction, and derive the per-row gate, beta and q.k before the row chain.
   Otherwise each row's f/b loads sit behind the previous row's reductions (an sm_90 compile of the
   first version has LDGs between each row's bar.syncs), so every row paid a DRAM round trip:
@@ -40,12 +47,13 @@ from lingjax.pallas import resolve_interpret
 MAX_T = 16
 
 
-def _chain_kernel(qkv_ref, f_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
+def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
                   o_ref, st_ref,  # outputs
-                  *, t_len, num_heads, dim, block_v, tiles, safe_gate, lower_bound, hoist_loads,
+                  *, tokens, num_heads, dim, block_v, tiles, safe_gate, lower_bound, hoist_loads,
                   parallel_read):
-    # qkv_ref [T, 3P]; f_ref [T, P]; b_ref [T, H]; win_ref [W-1, 3P]; convw_ref [3P, W] f32;
-    # alog_ref [H]; dtb_ref [P]; s_ref [H, K, V] f32 -> o_ref [T, H, V] f32; st_ref [T, H, K, V] f32
+    # proj_ref [rows, >=4P] (q|k|v columns [0, 3P), f [3P, 4P)); b_ref [rows, H]; win_ref [W-1, 3P];
+    # convw_ref [3P, W] f32; alog_ref [H]; dtb_ref [P]; s_ref [H, K, V] f32
+    # -> o_ref [rows, H, V] f32; st_ref [T, H, K, V] f32, T = tokens. Input rows >= T are never read.
     h, j = pl.program_id(0), pl.program_id(1)
     p = num_heads * dim
     width = convw_ref.shape[1]
@@ -64,12 +72,12 @@ def _chain_kernel(qkv_ref, f_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, 
     def channels(c0, n):  # conv weights W x [n] f32 and the W-1+T pre-conv input rows [n] of channels [c0, c0+n)
         return (early(lambda: [convw_ref[pl.ds(c0, n), i] for i in range(width)]),
                 [early(lambda r=r: win_ref[r, pl.ds(c0, n)]) for r in range(width - 1)]
-                + [early(lambda t=t: qkv_ref[t, pl.ds(c0, n)]) for t in range(t_len)])
+                + [early(lambda t=t: proj_ref[t, pl.ds(c0, n)]) for t in range(tokens)])
 
     q_in, k_in = channels(h * dim, dim), channels(p + h * dim, dim)
     v_in = [channels(2 * p + h * dim + c, block_v) for c in col0]
-    f_in = [early(lambda t=t: f_ref[t, pl.ds(h * dim, dim)]) for t in range(t_len)]  # T x [K]
-    b_in = [early(lambda t=t: b_ref[t, h]) for t in range(t_len)]
+    f_in = [early(lambda t=t: proj_ref[t, pl.ds(3 * p + h * dim, dim)]) for t in range(tokens)]  # T x [K]
+    b_in = [early(lambda t=t: b_ref[t, h]) for t in range(tokens)]
     alog_in, dtb_in = early(lambda: alog_ref[h]), early(lambda: dtb_ref[pl.ds(h * dim, dim)])
 
     # ---- prologue: everything that does not depend on the state
@@ -77,7 +85,7 @@ def _chain_kernel(qkv_ref, f_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, 
         w_in, src_in = chan
         w, src = w_in(), [x().astype(f32) for x in src_in]
         rows = []
-        for t in range(t_len):
+        for t in range(tokens):
             acc = w[0] * src[t]
             for i in range(1, width):
                 acc = acc + w[i] * src[t + i]
@@ -103,11 +111,11 @@ def _chain_kernel(qkv_ref, f_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, 
         qk = jnp.sum(qs[t] * ks[t]) if parallel_read else None
         return jnp.exp(g), ks[t], qs[t], beta, qk
 
-    rows = [early(functools.partial(row_inputs, t)) for t in range(t_len)]
+    rows = [early(functools.partial(row_inputs, t)) for t in range(tokens)]
 
     # ---- the chain: T rows, the tiles' independent chains interleaved
     s = [x() for x in s_in]
-    for t in range(t_len):
+    for t in range(tokens):
         decay, k, q, beta, qk = rows[t]()
         # [:, None] here, not in row_inputs: T rows x 3 vectors broadcast into the tile's layout ahead
         # of the chain spill registers at T = 16; the compact 1-D vectors do not
@@ -122,34 +130,41 @@ def _chain_kernel(qkv_ref, f_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, 
             st_ref[t, h, :, pl.ds(c, block_v)] = s[i]
             o_ref[t, h, pl.ds(c, block_v)] = w + qk * delta if parallel_read else jnp.sum(s[i] * q[:, None], axis=0)
 
+    # the output rows past T: zeros, so the caller needs no pad (one row per store, as above)
+    for t in range(tokens, o_ref.shape[0]):
+        for c in col0:
+            o_ref[t, h, pl.ds(c, block_v)] = jnp.zeros((block_v,), jnp.float32)
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "safe_gate", "lower_bound", "block_v", "num_warps",
-                                             "hoist_loads", "parallel_read", "tiles_per_program", "interpret"))
-def kda_chain_verify(qkv, f, b, window, conv_w, a_log, dt_bias, state, *, num_heads, safe_gate, lower_bound,
+
+@functools.partial(jax.jit, static_argnames=("tokens", "num_heads", "safe_gate", "lower_bound", "block_v",
+                                             "num_warps", "hoist_loads", "parallel_read", "tiles_per_program",
+                                             "interpret"))
+def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate, lower_bound,
                      block_v: int = 16, num_warps: int = 4, hoist_loads: bool = True,
                      parallel_read: bool = True, tiles_per_program: int = 1, interpret=None):
-    """Same arguments and results as lingjax.ops.kda.kda_chain: (o [T, H, V] f32, staged [T, H, K, V] f32).
-    block_v: V columns per tile; tiles_per_program (clamped to V / block_v), hoist_loads, parallel_read:
-    see the module docstring."""
-    t_len = qkv.shape[0]
+    """Same arguments and results as lingjax.ops.kda.kda_chain: (o [rows, H, V] f32, zero past row
+    `tokens`; staged [tokens, H, K, V] f32). block_v: V columns per tile; tiles_per_program (clamped to
+    V / block_v), hoist_loads, parallel_read: see the module docstring."""
+    rows = proj.shape[0]
     h, dk, dv = state.shape
-    assert 1 <= t_len <= MAX_T, f"chain-verify takes 1..{MAX_T} rows, got {t_len}"
-    assert h == num_heads and dk == dv and qkv.shape[1] == 3 * h * dk, (qkv.shape, state.shape)
+    assert 1 <= tokens <= min(rows, MAX_T), f"chain-verify takes 1..{MAX_T} tokens of {rows} rows, got {tokens}"
+    assert b.shape == (rows, h), (b.shape, proj.shape)
+    assert h == num_heads and dk == dv and proj.shape[1] >= 4 * h * dk, (proj.shape, state.shape)
     block_v = min(block_v, dv)
     tiles = min(tiles_per_program, dv // block_v)
     assert dv % (block_v * tiles) == 0, (dv, block_v, tiles)
-    kernel = functools.partial(_chain_kernel, t_len=t_len, num_heads=h, dim=dk, block_v=block_v, tiles=tiles,
+    kernel = functools.partial(_chain_kernel, tokens=tokens, num_heads=h, dim=dk, block_v=block_v, tiles=tiles,
                                safe_gate=safe_gate, lower_bound=lower_bound, hoist_loads=hoist_loads,
                                parallel_read=parallel_read)
     return pl.pallas_call(
         kernel,
         grid=(h, dv // (block_v * tiles)),
-        out_shape=(jax.ShapeDtypeStruct((t_len, h, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((t_len, h, dk, dv), jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct((rows, h, dv), jnp.float32),
+                   jax.ShapeDtypeStruct((tokens, h, dk, dv), jnp.float32)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=resolve_interpret(interpret),
         name="kda_chain_verify",
-    )(qkv, f, b, window, conv_w.astype(jnp.float32), a_log, dt_bias, state.astype(jnp.float32))
+    )(proj, b, window, conv_w.astype(jnp.float32), a_log, dt_bias, state.astype(jnp.float32))
 
 
 def _commit_kernel(n_ref, st_ref, win_ref, s_out, w_out, *, dim, block_k):
