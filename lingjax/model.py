@@ -158,14 +158,14 @@ class KDAAttention(nnx.Module):
         gate_cfg = dict(num_heads=h, safe_gate=cfg.kda_safe_gate, lower_bound=cfg.kda_lower_bound)
         with jax.named_scope("kda_recurrence"):
             if paths.kda_chunked:  # rows == T: no padding rows to skip
-                q, k, v, g, beta, conv = kda_ops.kda_prepare(qkv, proj[:t, 3 * p : 4 * p], b[:t], *params, n_valid,
-                                                             **gate_cfg)
+                f = proj[:t, 3 * p : 4 * p]
+                q, k, v, g, beta, conv = kda_ops.kda_prepare(qkv, f, b[:t], *params, n_valid, **gate_cfg)
                 # q, k, v at the activations' precision, as the checkpoint's own model feeds fla's chunk_kda
                 # (the Pallas prefill then takes its bf16 path; the state stays f32)
                 q, k, v = (a.astype(x.dtype) for a in (q, k, v))
                 conv = conv.reshape(cache.conv.shape)
                 o, state = paths.op("kda_chunked")(q, k, v, g, beta, cache.state)
-            else:  # every row is valid on this path (prefill pads only to chunked sizes)
+            else:  # all T tokens are real here (prefill pads only to chunked sizes)
                 # proj and b whole: the op reads the real rows in place and returns o on all rows, zero
                 # past T, so no slice or pad kernel sits on either side of it
                 o, staged = paths.op("kda_chain")(proj, b, *params, cache.state, tokens=t, **gate_cfg)
