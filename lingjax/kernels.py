@@ -2,8 +2,9 @@
 `kernels="pallas"` runs the Pallas kernels in lingjax/pallas (interpret mode off the GPU, so the
 same model runs everywhere); `kernels="auto"` (the default) is "pallas" on a GPU, "xla" elsewhere:
 on the GPU the Pallas set is the fast one and the one measured lossless for bf16 speculation
-(bench/results/lossless_h200_2026-11-30.md), off it interpret mode is only for tests. Which op a layer needs (chain or chunked KDA, gathered or sorted MoE)
-is chosen by shape in lingjax.model.paths_for; this module only picks the implementation.
+(bench/results/lossless_h200_2026-11-30.md), off it interpret mode is only for tests. Which op a
+layer needs (chain or chunked KDA, gathered or sorted MoE) is chosen by shape in
+lingjax.model.paths_for; this module only picks the implementation.
 
 Each Pallas entry point takes the reference's arguments and returns its result; it may add
 keyword-only options with defaults (tile sizes, interpret, or extra fused work such as the shared

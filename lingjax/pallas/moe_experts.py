@@ -128,8 +128,9 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, bloc
 def _single_token_plan(experts, block_m: int):
     """The block plan at T = 1 without an align launch: a token's top-k experts are distinct, so pair j
     gets block j alone (slot j·block_m) and the block's expert is the pair's. A constant slot table and
-    the expert ids themselves, flat, read in place (row 0's k ids come first): on the H200 the pair-axis align is a ~13 µs single-program launch
-    (bench/results/moe_h200_2026-11-29_run2.md) against a 30 µs byte floor for the whole layer. Repeated
+    the expert ids themselves, flat, read in place (row 0's k ids come first): on the H200 the pair-axis
+    align is a ~13 µs single-program launch (bench/results/moe_h200_2026-11-29_run2.md) against a 30 µs
+    byte floor for the whole layer. Repeated
     experts (not produced by routing) still compute correctly, each block reading its expert again."""
     top_k = experts.shape[1]
     ids = np.full((top_k * block_m,), top_k, np.int32)  # sentinel NP = top_k in the padding slots
