@@ -1,0 +1,67 @@
+"""Every Pallas kernel lowers to Triton IR for an H200 (sm_90) on this CPU machine.
+
+The interpret-mode tests check the kernels' arithmetic; they never run Pallas's Triton lowering, which
+rejects some programs interpret mode accepts (unsupported ops, shapes, layouts). Lowering for "cuda"
+needs no GPU once Pallas is told which GPU to target; compiling the Triton IR to PTX still happens
+only on a GPU, so this is a first gate, not a GPU test. Flash-sized shapes at decode/verify widths,
+with the zero-padded rows of a verify (lingjax/model.py, row invariance)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.triton import gpu_info
+
+from lingjax.pallas.kda_chain import kda_chain_verify
+from lingjax.pallas.kda_prefill import kda_chunked_prefill
+from lingjax.pallas.moe_align import moe_align
+from lingjax.pallas.moe_experts import fused_experts
+from lingjax.pallas.moe_router import route
+
+S = jax.ShapeDtypeStruct
+BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+D, E, K, ROWS = 2560, 512, 8, 16  # hidden, experts, top-k, padded rows of a verify
+I = 384  # one TP2 device's share of an expert's intermediate dim
+H, DK, W = 16, 128, 4  # KDA heads on one TP2 device, head dim, conv width
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+
+@pytest.fixture(autouse=True)
+def h200(monkeypatch):
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
+
+
+def _triton_calls(fn, *shapes) -> int:
+    text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("__gpu$xla.gpu.triton")
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 7])
+def test_moe_kernels_lower(tokens):
+    experts = functools.partial(fused_experts, limit=4.0, tokens=tokens, shared_limit=7.0, interpret=False)
+    weights = (S((E, I, D), BF), S((E, I, D), BF), S((E, D, I), BF))
+    shared = (S((I, D), BF), S((I, D), BF), S((D, I), BF))
+    routed = (S((ROWS, K), F32), S((ROWS, K), I32))
+    n = _triton_calls(lambda x, *a: experts(x, *a[:5], shared=a[5:]), S((ROWS, D), BF), *weights, *routed, *shared)
+    assert n == (2 if tokens == 1 else 3)  # up, down (+ align above T = 1)
+    router = functools.partial(route, top_k=K, n_group=8, topk_group=4, scaling=2.5, renormalize=True,
+                               interpret=False)
+    assert _triton_calls(router, S((ROWS, D), BF), S((E, D), BF), S((E,), F32)) >= 1
+    align = functools.partial(moe_align, tokens=tokens, block_m=16, interpret=False)
+    assert _triton_calls(align, S((ROWS, K), I32)) == 1
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_kda_kernels_lower(tokens):
+    p = H * DK
+    chain = functools.partial(kda_chain_verify, tokens=tokens, num_heads=H, safe_gate=True, lower_bound=-5.0,
+                              interpret=False)
+    args = (S((ROWS, 5 * p), BF), S((ROWS, H), BF), S((W - 1, 3 * p), BF), S((3 * p, W), F32), S((H,), F32),
+            S((p,), F32), S((H, DK, DK), F32))
+    assert _triton_calls(chain, *args) == 1
+    t = 512
+    prefill = functools.partial(kda_chunked_prefill, interpret=False)
+    qkv = [S((t, H, DK), BF)] * 3
+    assert _triton_calls(prefill, *qkv, S((t, H, DK), F32), S((t, H), F32), S((H, DK, DK), F32)) >= 1
