@@ -174,6 +174,32 @@ def progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def prepared_calls(prepare, call, n: int):
+    """-> launch(): n calls from a fresh state (prepare(n)), -> (start time, last output); call(state) ->
+    (state, output)."""
+    state = prepare(n)
+    jax.block_until_ready(state)
+
+    def launch():
+        nonlocal state
+        t = time.perf_counter()
+        for _ in range(n):
+            state, out = call(state)
+        return t, out
+    return launch
+
+
+def time_program(what: str, per_call: int, n: int, prepare, call, lower):
+    """Compile, then time about n steps of a program that runs per_call steps a call, then count the
+    kernels of its compiled HLO (lower(state) -> HLO text, at the timed calls' shapes so the compilation
+    cache serves it). -> (s/step, host s/step, kernels, HLO text, launch maker, s/call)."""
+    calls = max(1, n // per_call)
+    t_call, h_call = compile_then_time(what, lambda k: prepared_calls(prepare, call, k)(), calls)
+    hlo = lower(prepare(calls))
+    return (t_call / per_call, h_call / per_call, count_kernels(hlo), hlo,
+            lambda k: prepared_calls(prepare, call, k), t_call)
+
+
 def bench_kernels(model, args, prompt, say):
     """Decode-step and speculative-round timings of one loaded model, per --rounds-per-call ->
     (rows of (kind, name, s/step, host s/step, kernels), spec-round census or None)."""
@@ -184,60 +210,53 @@ def bench_kernels(model, args, prompt, say):
     for steps in args.rounds_per_call:
         _, decode = model.step_programs(sampling, steps)
 
-        def run_decode(n):
+        def prepare(n, steps=steps):  # (token, cache, pos) after the prompt, room for n calls
             token, cache = engine.plain_prefill(model, prompt, 6 * n * steps, sampling, key, steps)
-            jax.block_until_ready(cache)
-            pos = jnp.int32(prompt.size)
-            t = time.perf_counter()
-            for _ in range(n):
-                _, token, pos, cache = decode(model.weights, cache, token, pos, key)
-            return t, token
+            return token, cache, jnp.int32(prompt.size)
+
+        def call(state, decode=decode):
+            token, cache, pos = state
+            _, token, pos, cache = decode(model.weights, cache, token, pos, key)
+            return (token, cache, pos), token
+
+        def lower(state, decode=decode):
+            token, cache, pos = state
+            return decode.lower(model.weights, cache, token, pos, key).compile().as_text()
 
         name = "decode T=1" + (f", {steps} per call" if steps > 1 else "")
-        calls = max(1, args.n // steps)  # about n steps a batch, whatever the steps per call
-        t_call, h_call = compile_then_time(f"{label}: {name}", run_decode, calls)
-        # the timed calls' shapes (cache capacity), so the compilation cache serves this compile
-        token, cache = engine.plain_prefill(model, prompt, 6 * calls * steps, sampling, key, steps)
-        hlo = decode.lower(model.weights, cache, token, jnp.int32(prompt.size), key).compile().as_text()
-        rows.append(("decode", name, t_call / steps, h_call / steps, count_kernels(hlo)))
-        del cache
+        step_s, host_s, kernels, *_ = time_program(f"{label}: {name}", steps, args.n, prepare, call, lower)
+        rows.append(("decode", name, step_s, host_s, kernels))
 
     drafter = engine._make_drafter(model, "nextn", args.steps)
     for rounds in args.rounds_per_call:
         program = model.spec_program(drafter, sampling, rounds)
 
-        def prepared_calls(n):  # -> launch(): n calls from a fresh state, -> (start time, last output)
-            state = engine.spec_prefill(model, program, drafter, prompt, 6 * n * rounds, key)[1]
-            jax.block_until_ready(state)
+        def prepare(n, program=program, rounds=rounds):  # the speculative state after the prompt
+            return engine.spec_prefill(model, program, drafter, prompt, 6 * n * rounds, key)[1]
 
-            def launch():
-                nonlocal state
-                t = time.perf_counter()
-                for _ in range(n):
-                    state, out = program.round(model.weights, state)
-                return t, out
-            return launch
+        def call(state, program=program):
+            return program.round(model.weights, state)
+
+        def lower(state, program=program):
+            return program.round.lower(model.weights, state).compile().as_text()
 
         name = f"spec round S={args.steps}" + (f", {rounds} per call" if rounds > 1 else "")
-        calls = max(1, args.n // rounds)  # about n rounds a batch, whatever the rounds per call
-        t_call, h_call = compile_then_time(f"{label}: {name}", lambda n: prepared_calls(n)(), calls)
-        state = engine.spec_prefill(model, program, drafter, prompt, 6 * calls * rounds, key)[1]
-        round_hlo = program.round.lower(model.weights, state).compile().as_text()
-        del state
-        rows.append(("round", name, t_call / rounds, h_call / rounds, count_kernels(round_hlo)))
+        step_s, host_s, kernels, hlo, launches, t_call = time_program(f"{label}: {name}", rounds, args.n,
+                                                                      prepare, call, lower)
+        rows.append(("round", name, step_s, host_s, kernels))
         if args.profile and rounds == args.rounds_per_call[0]:  # only the first variant's calls are traced
-            census = profile_rounds(model, args, prepared_calls, round_hlo, rounds, t_call, say)
+            census = profile_rounds(model, args, launches, hlo, rounds, t_call, say)
     return rows, census
 
 
-def profile_rounds(model, args, prepared_calls, round_hlo, rounds, t_call, say):
+def profile_rounds(model, args, launches, round_hlo, rounds, t_call, say):
     """Trace --profile-steps calls, save the trace and HLO in --profile, -> the GPU-time census per
     round or None."""
     tag = f"{args.model}_tp{model.tp}_{variant_name(model).replace('+', '_')}"
     if rounds > 1 and model.tp == 1:
         say(f"warning: tracing {rounds} rounds per call on one GPU: the loop is one CUDA graph and the profiler "
             "misses most kernels inside it (census 'idle' then means unseen); list --rounds-per-call 1 first")
-    launch = prepared_calls(args.profile_steps)
+    launch = launches(args.profile_steps)
     with tempfile.TemporaryDirectory() as raw:
         with profiling.capture(raw) as trace:
             jax.block_until_ready(launch()[1])
