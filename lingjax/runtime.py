@@ -72,18 +72,18 @@ class Model:
     the jitted entry points the engine uses. With tp > 1 the parameters are sharded over a mesh of
     tp devices (lingjax/sharding.py) and every program body runs inside shard_map."""
 
-    def __init__(self, module: LingModel, kernels: str = "xla", source: str = "", tp: int = 1,
+    def __init__(self, module: LingModel, kernels: str = "auto", source: str = "", tp: int = 1,
                  router_precision: str = "f32", collectives_in_graphs: bool = False):
         self.module = module
         self.collectives_in_graphs = collectives_in_graphs  # see step_jit
         self.cfg: LingConfig = module.cfg
-        self.kernels = kernels
+        self.kernels = kernel_sets.resolve(kernels)  # "auto" -> this backend's set
         self.source = source
         self.tp = tp
         self.mesh = sharding.make_mesh(tp) if tp > 1 else None
         if router_precision not in ("f32", "bf16"):
             raise ValueError(f"router_precision must be 'f32' or 'bf16', got {router_precision!r}")
-        self.ex = Exec(kernels, sharding.AXIS if self.mesh else None, router_precision)
+        self.ex = Exec(self.kernels, sharding.AXIS if self.mesh else None, router_precision)
         self.graphdef, params = nnx.split(module)
         param_specs = sharding.param_specs(params)
         self.cache_specs = sharding.cache_spec(jax.eval_shape(lambda: init_cache(self.cfg, 1, self.dtype)))

@@ -135,7 +135,8 @@ def test_kernel_set_auto_and_bad_names(monkeypatch):
     """"auto" is Pallas on a GPU and the XLA references elsewhere; a bad name lists the choices."""
     from lingjax import kernels
 
-    assert lingjax.load("tiny").kernels == "xla"  # this (CPU) machine
+    model = lingjax.load("tiny")
+    assert model.kernels == "xla" and lingjax.Model(model.module, source="test").kernels == "xla"  # CPU here
     monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
     assert kernels.resolve("auto") == "pallas" and kernels.resolve("xla") == "xla"
     with pytest.raises(ValueError, match="auto.*xla.*pallas"):
