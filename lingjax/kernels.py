@@ -24,14 +24,6 @@ KERNELS = ("xla", "pallas")
 CHOICES = ("auto",) + KERNELS
 
 
-def resolve(kernels: str) -> str:
-    """"auto" -> the kernel set for this backend; "xla" and "pallas" as given."""
-    if kernels not in CHOICES:
-        raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
-    if kernels == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return kernels
-
 # op name -> (reference, "module:function" of the Pallas implementation)
 OPS = {
     "kda_chain": (kda_ops.kda_chain, "lingjax.pallas.kda_chain:kda_chain_verify"),
@@ -51,6 +43,19 @@ def _pallas(op: str):
 
 def missing_pallas_ops() -> list[str]:
     return [op for op in OPS if _pallas(op) is None]
+
+
+def resolve(kernels: str) -> str:
+    """"auto" -> the kernel set for this backend; "xla" and "pallas" as given. Raises for an unknown
+    name, or for "pallas" while a Pallas kernel is missing (load calls this before reading weights)."""
+    if kernels not in CHOICES:
+        raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
+    if kernels == "auto":
+        kernels = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if kernels == "pallas" and missing_pallas_ops():
+        raise NotImplementedError(f"kernels='pallas' needs Pallas kernels not written yet: {missing_pallas_ops()}; "
+                                  "use kernels='xla'")
+    return kernels
 
 
 def get(op: str, kernels: str):

@@ -257,10 +257,7 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "au
     rounding change, so parity tests keep the default "f32")."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    kernels = kernel_sets.resolve(kernels)
-    if kernels == "pallas" and kernel_sets.missing_pallas_ops():
-        raise NotImplementedError(f"kernels='pallas' needs Pallas kernels not written yet: "
-                                  f"{kernel_sets.missing_pallas_ops()}; use kernels='xla'")
+    kernels = kernel_sets.resolve(kernels)  # fails fast, before any weight is read
     jdtype = DTYPES[dtype]
     source = str(path_or_preset)
     directory = Path(source)
