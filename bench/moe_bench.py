@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +30,7 @@ from lingjax.ops import moe as moe_ops
 from lingjax.pallas.moe_align import BLOCK_M, align_reference, moe_align
 from lingjax.pallas.moe_experts import fused_experts
 from lingjax.pallas.moe_router import LEGACY, route
+from measure import median_seconds, rel  # bench/measure.py, beside this script
 from report import Report  # bench/report.py, beside this script
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -45,16 +44,6 @@ ROUTERS = {  # name -> route() options; "legacy" is the first version, the rest 
     "select 2 warps": dict(select_warps=2),
     "select 4 warps": dict(select_warps=4),
 }
-
-
-def timed(fn, *args, reps):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def make_layer(key, d, i, e):
@@ -92,11 +81,6 @@ def loop_over_layers(layer_fn, n_iter):
         return jax.lax.fori_loop(0, n_iter, body, jnp.zeros_like(xs[0]))
 
     return jax.jit(run)
-
-
-def rel(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)) if np.isfinite(got).all() else float("inf")
 
 
 def main():
@@ -165,7 +149,7 @@ def main():
     rates = {}
     for dt in (BF16, F32):
         big = jnp.ones(((2**20 if smoke else 2**32) // jnp.dtype(dt).itemsize,), dt)
-        rates[jnp.dtype(dt).name] = 2 * big.nbytes / timed(jax.jit(lambda a: a * 1.5), big, reps=reps * 2)
+        rates[jnp.dtype(dt).name] = 2 * big.nbytes / median_seconds(jax.jit(lambda a: a * 1.5), big, reps=reps * 2)
         del big
     bw = max(rates.values())
     say(f"\ncopy bandwidth (read+write of a {'tiny' if smoke else '4 GiB'} array, x*1.5): " +
@@ -185,7 +169,7 @@ def main():
     best_router = {}
     for t in ts_all:
         xs = [jax.random.normal(jax.random.key(600 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
-        glue_s = timed(glue, layers, xs, reps=reps) / (4 * n_iter * n_layers)
+        glue_s = median_seconds(glue, layers, xs, reps=reps) / (4 * n_iter * n_layers)
         with jax.default_matmul_precision("highest"):
             want = moe_ops.route(xs[0], layers[0]["router"], layers[0]["bias"], **cfg)[1]
         for name, router in [(n, r) for n, r in ROUTERS.items()] + [("legacy bf16", dict(ROUTERS["legacy"]))]:
@@ -200,7 +184,7 @@ def main():
                 blk = moe_align(experts, block_m=BLOCK_M)[1]
                 return (x.astype(F32) + 1e-30 * (weights.sum() + blk[0])).astype(x.dtype)
 
-            per_layer = lambda fn: timed(loop_over_layers(fn, 4 * n_iter), layers, xs, reps=reps) / (
+            per_layer = lambda fn: median_seconds(loop_over_layers(fn, 4 * n_iter), layers, xs, reps=reps) / (
                 4 * n_iter * n_layers) - glue_s
             sec_alone = per_layer(alone)
             sec_align = per_layer(aligned) if t > 1 else None
@@ -228,13 +212,13 @@ def main():
         for fn in (lambda x, p: xla_layer(x, p, cfg),
                    lambda x, p: pallas_layer(x, p, cfg, ROUTERS["legacy"], precision="bf16"),
                    lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"])):
-            res.append(timed(loop_over_layers(fn, n_iter), layers, xs, reps=reps) / (n_iter * n_layers))
+            res.append(median_seconds(loop_over_layers(fn, n_iter), layers, xs, reps=reps) / (n_iter * n_layers))
         say(f"| {t} | {dist:.1f} | {floor * 1e6:.1f} | {res[0] * 1e6:.1f} ({res[0] / floor:.2f}x) | "
             f"{res[1] * 1e6:.1f} ({res[1] / floor:.2f}x) | {res[2] * 1e6:.1f} ({res[2] / floor:.2f}x) | "
             f"{res[1] / res[2]:.2f}x |")
 
     # (5) tile sweep, experts alone (routing from the reference, shared not included)
-    say("\n## fused_experts tile sweep (routed experts only; floor = distinct × 11.80 MB); the table above used the defaults (up tiles 64 x 128 at T=1, 32 x 256 above; bn_down=64, stages=3)")
+    say("\n## fused_experts tile sweep (routed experts only; floor = distinct × 11.80 MB); the table above used the defaults (up tile 32 x 256 at every T, bn_down=64, stages=3)")
     sweep = [dict(bn_up=16, bk_up=256, bn_down=64, stages=3), dict(bn_up=32, bk_up=256, bn_down=64, stages=3),
              dict(bn_up=64, bk_up=128, bn_down=64, stages=3)]  # bk_up=512 at 4 stages overflowed shared memory
     best = {}
@@ -248,7 +232,7 @@ def main():
                 x, pr[0]["wg"], pr[0]["wu"], pr[0]["wd"], pr[1][0], pr[1][1], LIMIT, **tiles).astype(x.dtype),
                 n_iter)
             try:
-                sec = timed(fn, list(zip(layers, routes)), xs, reps=reps) / (n_iter * n_layers)
+                sec = median_seconds(fn, list(zip(layers, routes)), xs, reps=reps) / (n_iter * n_layers)
             except jax.errors.JaxRuntimeError as err:  # e.g. a tile that overflows shared memory
                 say(f"T={t} {tiles}: failed: {str(err).splitlines()[0][:120]}")
                 continue
@@ -257,7 +241,7 @@ def main():
                 best[t] = (sec, tiles)
 
     glue = loop_over_layers(lambda x, p: x, n_iter)
-    say(f"\nloop glue alone (the 1e-30 input update per layer): {timed(glue, layers, xs, reps=reps) / (n_iter * n_layers) * 1e6:.1f} us")
+    say(f"\nloop glue alone (the 1e-30 input update per layer): {median_seconds(glue, layers, xs, reps=reps) / (n_iter * n_layers) * 1e6:.1f} us")
     say(f"\ncorrectness failures: {fails or 'none'}")
 
 

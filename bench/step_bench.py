@@ -47,6 +47,7 @@ import lingjax
 from lingjax import engine, profiling
 from lingjax.config import KDA, MOE
 from lingjax.sampling import SamplingParams
+from measure import read_bandwidth  # bench/measure.py, beside this script
 from report import Report  # bench/report.py, beside this script
 
 LAUNCH = re.compile(r"=\s*\S+\s+(fusion|custom-call|cublas\S*|all-reduce\S*|all-gather\S*|copy|dot|convolution|"
@@ -63,21 +64,6 @@ def count_kernels(compiled_text: str) -> int:
         elif not fused and LAUNCH.search(line):
             count += 1
     return count
-
-
-def bandwidth() -> float:
-    """Read bandwidth: a 4 GiB bf16 array summed in f32 (a step mostly reads weights). On the H200
-    this gives ~3.8 TB/s where a bf16 copy (read + write, this script's earlier yardstick) gives ~3.0,
-    so floors from that copy figure read ~1.25x lower than this one's."""
-    x = jnp.ones((2 << 30,), jnp.bfloat16)
-    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    total(x).block_until_ready()
-    times = []
-    for _ in range(7):
-        t = time.perf_counter()
-        total(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return x.nbytes / statistics.median(times)
 
 
 def _layer_bytes(cfg, attn, mlp, distinct, width, ctx, item, tp) -> float:
@@ -167,7 +153,8 @@ def compile_then_time(what: str, fn, n: int) -> tuple[float, float]:
 
 
 def variant_name(model) -> str:
-    return model.kernels + ("+graph-ar" if model.collectives_in_graphs else "")
+    xla_ops = f" (xla: {','.join(model.ex.xla_ops)})" if model.ex.xla_ops else ""
+    return model.kernels + xla_ops + ("+graph-ar" if model.collectives_in_graphs else "")
 
 
 def progress(text: str) -> None:
@@ -281,6 +268,9 @@ def main():
                     help="split: all-reduces outside the CUDA graphs (default); whole: inside (runtime.step_jit)")
     ap.add_argument("--rounds-per-call", type=int, nargs="+", default=[1],
                     help="speculative rounds (and decode steps) per device call (a lax.scan); per-round figures")
+    ap.add_argument("--xla-ops", nargs="*", default=[],
+                    help="also time each pallas variant with these ops (lingjax.kernels.OPS) on their XLA "
+                         "reference, in the same process: an A/B of single kernels inside the step")
     ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--n", type=int, default=32, help="steps per timed batch")
@@ -295,7 +285,7 @@ def main():
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     say = Report(args.out)
 
-    bw = bandwidth()
+    bw = read_bandwidth()
     say(f"# step_bench: {args.model}, bf16, S={args.steps}, router {args.router_precision}, tp {args.tp}")
     say(f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} x{len(jax.devices())} visible, "
         f"jax {jax.__version__}; read bandwidth per device (same run) {bw / 1e12:.2f} TB/s")
@@ -319,22 +309,23 @@ def main():
         bytes_decode = weight_bytes(base, distinct_1, 1, 0, ctx, tp)
         # round = S-1 MTP draft forwards + verify (width S+1) + draft-extend (one MTP forward)
         bytes_round = weight_bytes(base, distinct_w, width, args.steps, ctx, tp)
-        for kernels in args.kernels:
-            for graphs in args.graphs:
-                if graphs == "whole" and tp == 1:
-                    continue  # no collectives: the same program as split
-                model = lingjax.Model(base.module, kernels=kernels, source=args.model, tp=tp,
-                                      router_precision=args.router_precision, collectives_in_graphs=graphs == "whole")
-                measured, census = bench_kernels(model, args, prompt, say)
-                for kind, name, t, host, k in measured:
-                    b = bytes_decode if kind == "decode" else bytes_round
-                    floor = b / bw
-                    rows.append(f"| {tp} | {variant_name(model)} | {name} | {t * 1e6:.0f} | {host * 1e6:.0f} | {k} | "
-                                f"{b / 1e6:.0f} | {floor * 1e6:.0f} | {t / floor:.2f} |")
-                    say(rows[-1])
-                if census is not None:
-                    censuses[f"tp{tp} {variant_name(model)}"] = census
-                del model
+        variants = [(k, g, ()) for k in args.kernels for g in args.graphs]
+        variants += [(k, g, tuple(args.xla_ops)) for k, g, _ in variants if args.xla_ops and k == "pallas"]
+        for kernels, graphs, xla_ops in variants:
+            if graphs == "whole" and tp == 1:
+                continue  # no collectives: the same program as split
+            model = lingjax.Model(base.module, kernels=kernels, source=args.model, tp=tp, xla_ops=xla_ops,
+                                  router_precision=args.router_precision, collectives_in_graphs=graphs == "whole")
+            measured, census = bench_kernels(model, args, prompt, say)
+            for kind, name, t, host, k in measured:
+                b = bytes_decode if kind == "decode" else bytes_round
+                floor = b / bw
+                rows.append(f"| {tp} | {variant_name(model)} | {name} | {t * 1e6:.0f} | {host * 1e6:.0f} | {k} | "
+                            f"{b / 1e6:.0f} | {floor * 1e6:.0f} | {t / floor:.2f} |")
+                say(rows[-1])
+            if census is not None:
+                censuses[f"tp{tp} {variant_name(model)}"] = census
+            del model
         del base
         gc.collect()
         jax.clear_caches()

@@ -16,9 +16,10 @@ class Exec:
     kernels: str = "xla"  # "xla" | "pallas", see lingjax.kernels
     tp_axis: str | None = None  # set inside shard_map: weights and heads are this device's shard
     router_precision: str = "f32"  # "f32" (parity) or "bf16" (declared rounding change), see ops.moe.route
+    xla_ops: tuple[str, ...] = ()  # ops that run their XLA reference whatever `kernels` says (A/B of one kernel)
 
     def op(self, name: str):
-        return kernels.get(name, self.kernels)
+        return kernels.get(name, "xla" if name in self.xla_ops else self.kernels)
 
     def psum(self, x: jax.Array) -> jax.Array:
         """The one all-reduce of a row-parallel sub-layer (identity without TP)."""

@@ -36,6 +36,7 @@ from lingjax.cache import KDACache, KDAStaged, MLACache, ModelCache
 from lingjax.config import KDA, MOE, LingConfig
 from lingjax.execution import Exec
 from lingjax.ops import kda as kda_ops
+from lingjax.ops import linear as linear_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
 from lingjax.ops.norms import gated_rms_norm, rms_norm
@@ -77,10 +78,7 @@ def pad_rows(x: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x: [..., in]; w: [out, in] -> [..., out] in x's dtype, f32 accumulation. Under TP a
-    column-parallel weight gives this device's slice of the outputs."""
-    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32).astype(x.dtype)
+linear = linear_ops.linear  # XLA's GEMM; lingjax.pallas.skinny_linear measured no gain in the step (its docstring)
 
 
 def narrow_linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -97,7 +95,7 @@ def narrow_linear(x: jax.Array, w: jax.Array) -> jax.Array:
 def row_linear(x: jax.Array, w: jax.Array, ex: Exec) -> jax.Array:
     """Row-parallel projection: under TP w holds this device's slice of the inputs, so the f32
     partial sums are all-reduced (the sub-layer's one all-reduce) before the single rounding."""
-    return ex.psum(jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32)).astype(x.dtype)
+    return ex.psum(linear(x, w, F32)).astype(x.dtype)
 
 
 def draw(key, shape, dtype, how: tuple) -> jax.Array:

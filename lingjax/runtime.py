@@ -58,6 +58,13 @@ def step_jit(fun, collectives_in_graphs: bool = False, **kwargs):
     return jax.jit(fun, **kwargs)
 
 
+def check_rounds_per_call(n: int) -> int:
+    """The one validity check of a rounds_per_call, before any program is built."""
+    if n < 1:
+        raise ValueError(f"rounds_per_call must be >= 1, got {n}")
+    return n
+
+
 def steps_in_one_call(step, carry, n: int):
     """n applications of step(carry) -> (carry, out) inside one program (rounds_per_call): (the last
     carry, the outputs stacked [n, ...]). A lax.scan; n == 1 runs the step once, without a loop."""
@@ -70,10 +77,12 @@ def steps_in_one_call(step, carry, n: int):
 class Model:
     """A loaded Ling model. `module` is the Flax NNX LingModel (for notebooks); the methods here are
     the jitted entry points the engine uses. With tp > 1 the parameters are sharded over a mesh of
-    tp devices (lingjax/sharding.py) and every program body runs inside shard_map."""
+    tp devices (lingjax/sharding.py) and every program body runs inside shard_map.
+    xla_ops: names of lingjax.kernels.OPS that run their XLA reference under any kernel set, to A/B one
+    kernel inside the whole step (bench/step_bench.py --xla-ops)."""
 
     def __init__(self, module: LingModel, kernels: str = "auto", source: str = "", tp: int = 1,
-                 router_precision: str = "f32", collectives_in_graphs: bool = False):
+                 router_precision: str = "f32", collectives_in_graphs: bool = False, xla_ops: tuple[str, ...] = ()):
         self.module = module
         self.collectives_in_graphs = collectives_in_graphs  # see step_jit
         self.cfg: LingConfig = module.cfg
@@ -83,7 +92,10 @@ class Model:
         self.mesh = sharding.make_mesh(tp) if tp > 1 else None
         if router_precision not in ("f32", "bf16"):
             raise ValueError(f"router_precision must be 'f32' or 'bf16', got {router_precision!r}")
-        self.ex = Exec(self.kernels, sharding.AXIS if self.mesh else None, router_precision)
+        unknown = set(xla_ops) - set(kernel_sets.OPS)
+        if unknown:
+            raise ValueError(f"xla_ops names unknown ops {sorted(unknown)}; ops: {sorted(kernel_sets.OPS)}")
+        self.ex = Exec(self.kernels, sharding.AXIS if self.mesh else None, router_precision, tuple(xla_ops))
         self.graphdef, params = nnx.split(module)
         param_specs = sharding.param_specs(params)
         self.cache_specs = sharding.cache_spec(jax.eval_shape(lambda: init_cache(self.cfg, 1, self.dtype)))
@@ -133,8 +145,7 @@ class Model:
         prefill(weights, cache, tokens, start, n_valid, key) -> (token, cache);
         decode(weights, cache, token, pos, key) -> (int32 [rounds_per_call] new tokens, the last of them,
         pos + rounds_per_call, cache): that many T=1 steps in one call (a lax.scan)."""
-        if rounds_per_call < 1:
-            raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
+        check_rounds_per_call(rounds_per_call)
         ps, cs, rep = self.weight_specs, self.cache_specs, P()
         if sampling not in self._prefill_programs:
             prefill = self.sharded(functools.partial(self._prefill_impl, sampling=sampling),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import lingjax
+from conftest import rel_err
 from lingjax import cli
 from lingjax import engine as engine
 
@@ -113,6 +114,8 @@ def test_host_reads_go_through_host_read(monkeypatch):
     (dict(prompt_ids=[], max_new_tokens=3), "empty"),
     (dict(prompt_ids=[1, 512], max_new_tokens=3), "outside the vocabulary"),
     (dict(prompt_ids=[1], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_ids=[1], max_new_tokens=2, rounds_per_call=0), "rounds_per_call must be >= 1"),
+    (dict(prompt_ids=[1], max_new_tokens=2, spec="nextn", rounds_per_call=0), "rounds_per_call must be >= 1"),
     (dict(prompt_ids=[1], max_new_tokens=2, temperature=-1.0), "temperature"),
 ])
 def test_bad_requests(kwargs, error):
@@ -122,8 +125,6 @@ def test_bad_requests(kwargs, error):
 
 def test_pallas_kernels_give_the_same_model():
     """kernels="pallas" (interpret mode on the CPU) against the XLA references, decode and prefill."""
-    from conftest import rel_err
-
     xla = _tiny()
     pallas = lingjax.Model(xla.module, kernels="pallas", source="test")
     prompt = _prompt(40, 8)  # > SMALL_T: the chunked-prefill kernel; then decode steps
@@ -141,6 +142,21 @@ def test_kernel_set_auto_and_bad_names(monkeypatch):
     assert kernels.resolve("auto") == "pallas" and kernels.resolve("xla") == "xla"
     with pytest.raises(ValueError, match="auto.*xla.*pallas"):
         lingjax.load("tiny", kernels="triton")
+
+
+def test_xla_ops_override_one_kernel():
+    """xla_ops puts single ops of the Pallas set back on their XLA references (step_bench --xla-ops)."""
+    from lingjax import kernels
+    from lingjax.ops import moe
+
+    base = _tiny()
+    mixed = lingjax.Model(base.module, kernels="pallas", source="test", xla_ops=("moe_route",))
+    assert mixed.ex.op("moe_route") is moe.route
+    assert mixed.ex.op("moe_experts") is kernels.get("moe_experts", "pallas")
+    prompt = _prompt(20, 3)
+    assert rel_err(mixed.incremental_logits(prompt, 18), base.incremental_logits(prompt, 18)) < 1e-4
+    with pytest.raises(ValueError, match="unknown ops.*moe_route"):
+        lingjax.Model(base.module, kernels="pallas", source="test", xla_ops=("moe_rout",))
 
 
 def test_cli_generate_streams_tokens(capsys):

@@ -18,6 +18,7 @@ from lingjax.pallas.kda_prefill import kda_chunked_prefill
 from lingjax.pallas.moe_align import moe_align
 from lingjax.pallas.moe_experts import fused_experts
 from lingjax.pallas.moe_router import route
+from lingjax.pallas.skinny_linear import skinny_linear
 
 S = jax.ShapeDtypeStruct
 BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -65,3 +66,9 @@ def test_kda_kernels_lower(tokens):
     prefill = functools.partial(kda_chunked_prefill, interpret=False)
     qkv = [S((t, H, DK), BF)] * 3
     assert _triton_calls(prefill, *qkv, S((t, H, DK), F32), S((t, H), F32), S((H, DK, DK), F32)) >= 1
+
+
+@pytest.mark.parametrize("n,k,out", [(5 * H * DK, D, BF), (D, H * DK, F32)])  # KDA in_proj, o_proj on one TP2 device
+def test_skinny_linear_lowers(n, k, out):
+    proj = functools.partial(skinny_linear, out_dtype=out, interpret=False)
+    assert _triton_calls(proj, S((ROWS, k), BF), S((n, k), BF)) == 1

@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from lingjax.ops.linear import linear
+
 F32 = jnp.float32
 
 
@@ -44,10 +46,8 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 
 def mlp(x, w_gate, w_up, w_down, limit: float = 0.0):
     """Dense SwiGLU MLP (also the shared expert). x: [T, D]; w_gate/w_up: [F, D]; w_down: [D, F] -> [T, D] f32."""
-    g = jnp.einsum("td,fd->tf", x, w_gate, preferred_element_type=F32)
-    u = jnp.einsum("td,fd->tf", x, w_up, preferred_element_type=F32)
-    h = swiglu(g, u, limit).astype(x.dtype)
-    return jnp.einsum("tf,df->td", h, w_down, preferred_element_type=F32)
+    g, u = linear(x, w_gate, F32), linear(x, w_up, F32)
+    return linear(swiglu(g, u, limit).astype(x.dtype), w_down, F32)
 
 
 def experts_gathered(x, w_gate, w_up, w_down, weights, experts, limit: float = 0.0):

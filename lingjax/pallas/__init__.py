@@ -1,7 +1,8 @@
 """Pallas GPU kernels, each beside the plain-JAX reference in lingjax/ops/ it is tested against.
 
 kda_chain (fused chain-verify/decode + commit), kda_prefill (chunked prefill), moe_router,
-moe_align (pair-axis align), moe_experts (grouped GEMMs with the SwiGLU epilogue). lingjax/kernels.py
+moe_align (pair-axis align), moe_experts (grouped GEMMs with the SwiGLU epilogue); and skinny_linear
+(projections at 16 rows), measured but not in the kernel set (its docstring says why). lingjax/kernels.py
 maps each onto the reference op it replaces; `lingjax.load(..., kernels="pallas")` selects them.
 """
 
@@ -12,3 +13,11 @@ def resolve_interpret(interpret: bool | None) -> bool:
     """interpret=None means: interpret mode unless the backend is a GPU (chosen by backend, never by
     import failure; the CPU backend only runs Pallas in interpret mode)."""
     return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
+def pow2_tile(n: int, want: int) -> int:
+    """Largest power of 2 ≤ want dividing n (tiny test dims may get a tile under the GPU minimum)."""
+    t = 1
+    while t * 2 <= want and n % (t * 2) == 0:
+        t *= 2
+    return t

@@ -24,21 +24,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import resolve_interpret
+from lingjax.pallas import pow2_tile, resolve_interpret
 
 from lingjax.ops.moe import experts_gathered  # the reference
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a [M, K] · b [N, K]ᵀ
-
-
-def _tile(n: int, want: int) -> int:
-    """Largest power of 2 ≤ want dividing n (tiny test dims may get a tile under the GPU minimum)."""
-    t = 1
-    while t * 2 <= want and n % (t * 2) == 0:
-        t *= 2
-    return t
 
 
 def _dot_nt(a, b):
@@ -169,8 +161,8 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     npairs = t * top_k
     if shared is not None and shared[0].shape != (i_dim, d):
         raise ValueError(f"a fused shared expert needs width {i_dim}, got {shared[0].shape}")
-    bn_up, bk_up = _tile(i_dim, bn_up), _tile(d, bk_up)
-    bn_down, bk_down = _tile(d, bn_down), _tile(i_dim, bk_down)
+    bn_up, bk_up = pow2_tile(i_dim, bn_up), pow2_tile(d, bk_up)
+    bn_down, bk_down = pow2_tile(d, bn_down), pow2_tile(i_dim, bk_down)
     n_blocks = n_blocks_for(npairs, block_m, n_exp)
     if t == 1 and n_blocks == top_k:
         ids, blk = _single_token_plan(experts, block_m)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from lingjax import cache as cache_lib
-from lingjax.runtime import steps_in_one_call
+from lingjax.runtime import check_rounds_per_call, steps_in_one_call
 from lingjax.sampling import SamplingParams, sample
 from lingjax.spec.accept import accept
 
@@ -40,10 +40,8 @@ class SpecProgram:
     round(weights, state) -> (state after rounds_per_call rounds, int32 [rounds_per_call, S+2])."""
 
     def __init__(self, model, drafter, sampling: SamplingParams, rounds_per_call: int = 1):
-        if rounds_per_call < 1:
-            raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
         self.model, self.drafter, self.sampling = model, drafter, sampling
-        self.rounds_per_call = rounds_per_call
+        self.rounds_per_call = check_rounds_per_call(rounds_per_call)
         rep = P()
         draft_specs = jax.tree.map(lambda _: rep, jax.eval_shape(lambda: drafter.init(model.module, 1)))
         state_specs = SpecState(cache=model.cache_specs, draft=draft_specs, s=rep, bonus=rep, round=rep, key=rep)

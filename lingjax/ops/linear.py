@@ -1,0 +1,12 @@
+"""Projections: y = x·Wᵀ with the torch [out, in] weight layout and f32 accumulation."""
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x: [..., in]; w: [out, in] -> [..., out] in out_dtype (default: x's dtype), accumulated in f32
+    and rounded once. Under TP a column-parallel weight gives this device's slice of the outputs."""
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32).astype(out_dtype or x.dtype)
