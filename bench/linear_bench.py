@@ -58,9 +58,10 @@ def shapes(cfg, tp):
 
 def timing_loop(fn, iters):
     """Jitted (x, ws) -> `iters` iterations of fn(x', w) for every w. x' = x + 0·i keeps the calls in the
-    loop; behind an optimization barrier, so XLA cannot fuse that update into its own GEMM (a fusion the
-    model's GEMMs never get: without the barrier XLA's o_proj took 11.6 µs here, against 7.6 µs for the
-    same GEMM and its split-K reduce in a Flash step's profile)."""
+    loop, behind an optimization barrier so that XLA cannot fuse the update into its own GEMM (the
+    model's GEMMs read a materialised x). XLA's figures here still sit above the same GEMMs in a Flash
+    step's profile (o_proj: 11.7 µs against 6.0 + 1.6 for the GEMM and its split-K reduce), with or
+    without the barrier; why is not known, so compare against XLA in the step (step_bench --xla-ops)."""
 
     def run(x, ws):
         def body(i, carry):
