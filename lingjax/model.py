@@ -376,8 +376,7 @@ class LingModel(nnx.Module):
         flat = hidden.reshape(-1, hidden.shape[-1])
         n = flat.shape[0]
         with jax.named_scope("lm_head"):
-            logits = jnp.einsum("td,vd->tv", pad_rows(flat, max(n, SMALL_T) if pad_small else n), self.lm_head[...],
-                                preferred_element_type=F32)
+            logits = linear(pad_rows(flat, max(n, SMALL_T) if pad_small else n), self.lm_head[...], F32)
         return logits[:n].reshape(hidden.shape[:-1] + logits.shape[-1:])
 
     def mtp_forward(self, tokens, hidden, cache: MLACache, start, n_valid, ex: Exec = Exec()):

@@ -7,7 +7,9 @@ maps each onto the reference op it replaces; `lingjax.load(..., kernels="pallas"
 """
 
 import jax
+import jax.numpy as jnp
 
+_NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b [N, K]ᵀ
 
 def resolve_interpret(interpret: bool | None) -> bool:
     """interpret=None means: interpret mode unless the backend is a GPU (chosen by backend, never by
@@ -21,3 +23,10 @@ def pow2_tile(n: int, want: int) -> int:
     while t * 2 <= want and n % (t * 2) == 0:
         t *= 2
     return t
+
+
+def dot_nt(a, b):
+    """a [M, K] · b [N, K]ᵀ -> [M, N] f32 inside a kernel: f32 operands at IEEE precision (no TF32),
+    narrower ones on the tensor cores with f32 accumulation."""
+    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, _NT, precision=prec, preferred_element_type=jnp.float32)

@@ -24,20 +24,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import pow2_tile, resolve_interpret
+from lingjax.pallas import dot_nt, pow2_tile, resolve_interpret
 
 from lingjax.ops.moe import experts_gathered  # the reference
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
 
 F32 = jnp.float32
-_NT = (((1,), (1,)), ((), ()))  # a [M, K] · b [N, K]ᵀ
-
-
-def _dot_nt(a, b):
-    prec = jax.lax.Precision.HIGHEST if a.dtype == F32 else None
-    return jax.lax.dot_general(a, b, _NT, precision=prec, preferred_element_type=F32)
-
-
 def _swiglu(g, u, limit):
     act = g / (1.0 + jnp.exp(-g))  # SiLU in f32
     if limit:
@@ -62,7 +54,7 @@ def _up_kernel(ids_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k
         def step(kk, acc):
             ks = pl.ds(pl.multiple_of(kk * bk, bk), bk)
             xs = x_ref[tok, ks]  # [BM, BK] gathered rows
-            return acc[0] + _dot_nt(xs, wg(ks)), acc[1] + _dot_nt(xs, wu(ks))  # gate, up: same K step
+            return acc[0] + dot_nt(xs, wg(ks)), acc[1] + dot_nt(xs, wu(ks))  # gate, up: same K step
 
         zero = jnp.zeros((block_m, bn), F32)
         g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, step, (zero, zero))
@@ -96,7 +88,7 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, bloc
     def block(wd):  # wd: ks -> [BN, BK] tile
         def step(kk, acc):
             ks = pl.ds(pl.multiple_of(kk * bk, bk), bk)
-            return acc + _dot_nt(h_ref[slots, ks], wd(ks))  # [BM, BK] · [BN, BK]ᵀ
+            return acc + dot_nt(h_ref[slots, ks], wd(ks))  # [BM, BK] · [BN, BK]ᵀ
 
         return jax.lax.fori_loop(0, h_ref.shape[1] // bk, step, jnp.zeros((block_m, bn), F32))
 

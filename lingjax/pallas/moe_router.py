@@ -38,10 +38,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import resolve_interpret
+from lingjax.pallas import dot_nt, resolve_interpret
 
 F32 = jnp.float32
-_NT = (((1,), (1,)), ((), ()))
 
 # The first version's kernels (measured in bench/results/moe_h200_2026-11-29.md): the bench times them
 # against the defaults.
@@ -54,13 +53,12 @@ def _gemv_kernel(x_ref, w_ref, p_ref, *, bt, be, bk, k_per_split, dtype):
     t = x_ref.shape[0]
     rows = jnp.minimum(ti * bt + jnp.arange(bt), t - 1)  # [BT] clamped: tail rows repeat the last token
     cols = pl.ds(ei * be, be)
-    prec = jax.lax.Precision.HIGHEST if dtype == F32 else None
 
     def step(kk, acc):
         ks = pl.ds(pl.multiple_of(si * k_per_split + kk * bk, bk), bk)
         xs = x_ref[rows, ks].astype(dtype)  # [BT, BK]
         ws = w_ref[cols, ks].astype(dtype)  # [BE, BK]
-        return acc + jax.lax.dot_general(xs, ws, _NT, precision=prec, preferred_element_type=F32)
+        return acc + dot_nt(xs, ws)  # xs, ws already in `dtype`
 
     acc = jax.lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bt, be), F32))
     p_ref[si, rows, cols] = acc

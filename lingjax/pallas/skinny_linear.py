@@ -29,22 +29,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops.linear import linear
-from lingjax.pallas import pow2_tile, resolve_interpret
+from lingjax.pallas import dot_nt, pow2_tile, resolve_interpret
 
 F32 = jnp.float32
 MAX_ROWS = 64  # the whole x is every program's M block
-_NT = (((1,), (1,)), ((), ()))  # a [M, K] · b [N, K]ᵀ
 
 
 def _kernel(x_ref, w_ref, y_ref, *, block_n, block_k):
     # x_ref [M, K]; w_ref [N, K]; y_ref [M, N]
     cols = pl.ds(pl.multiple_of(pl.program_id(0) * block_n, block_n), block_n)
-    prec = jax.lax.Precision.HIGHEST if x_ref.dtype == F32 else None
 
     def step(kk, acc):
         ks = pl.ds(pl.multiple_of(kk * block_k, block_k), block_k)
-        return acc + jax.lax.dot_general(x_ref[:, ks], w_ref[cols, ks], _NT, precision=prec,
-                                         preferred_element_type=F32)
+        return acc + dot_nt(x_ref[:, ks], w_ref[cols, ks])
 
     acc = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros((x_ref.shape[0], block_n), F32))
     y_ref[:, cols] = acc.astype(y_ref.dtype)  # the one rounding
