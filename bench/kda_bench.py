@@ -13,7 +13,11 @@ options, most promising first, each checked against the reference and timed at T
 60% of the budget; the commit; the prefill core (the default at bf16 inputs, phase 1 alone, the
 exact and tf32 precisions, tile and warp alternatives); then, while the budget lasts, the XLA
 references, the rest of the chain variants and more prefill tiles. Ends with a table of the variants.
-KDA_BENCH_PARTS=prefill (or chain) leaves the other part's sweep out.
+KDA_BENCH_PARTS=prefill (or chain) leaves the other part's sweep out. KDA_BENCH_TS=1,2,4,8,16 times the
+chain at those T instead of 1, 6, 16. Before the timings, the unrolled chain kernel and the row loop
+(kda_chain_verify's row_loop) are checked bit for bit against each other at every T: the default switches
+between them at UNROLLED_MAX_T rows, and a verify must round each row as plain decode (T = 1) does.
+(A GPU check: in interpret mode on the CPU the two differ in the last bits.)
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ SMALL = bool(os.environ.get("KDA_BENCH_SMALL"))  # CPU smoke test of this script
 H, D, W = (2, 16, 4) if SMALL else (32, 128, 4)
 P = H * D
 R = 4 if SMALL else 64  # rotating input sets per graph
-TS = (1, 6, 16)
+TS = tuple(int(t) for t in os.environ.get("KDA_BENCH_TS", "1,6,16").split(","))  # chain-verify widths
 PREFILL_T = 96 if SMALL else 8192
 PARTS = os.environ.get("KDA_BENCH_PARTS", "chain,prefill").split(",")  # e.g. "prefill": skip the chain sweep
 BUDGET_S = float(os.environ.get("KDA_BENCH_BUDGET_S", 200))  # seconds for the JAX part: optional configs stop
@@ -236,23 +240,36 @@ def jax_main(out_path):
             print(f"chain T={t} {label} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
     variants = [  # (label, kda_chain_verify options, the T to time): the default first, then the untimed tilings.
-        # Register use and spills at T = 16 from an sm_90 compile. One warp per program measured 1.2-2x slower
-        # (bench/results/kda_h200_2026-11-29_run3.md), so no 1-warp variants.
-        ("hoist+par BV16 w4", dict(block_v=16, num_warps=4), TS),  # the default; 232 regs at T = 16, no spills
-        ("hoist+par BV32 w4", dict(block_v=32, num_warps=4), TS),  # 254 regs, no spills
-        ("hoist+par BV64 w4", dict(block_v=64, num_warps=4), TS),
-        ("hoist+par BV8 w2", dict(block_v=8, num_warps=2), TS),  # 254 regs, no spills
-        ("hoist+par BV32 w8", dict(block_v=32, num_warps=8), (1, 6)),  # spills at 16
-        ("hoist+par BV8 w4", dict(block_v=8, num_warps=4), TS),  # 200 regs, but 512 programs
-        ("hoist+par BV16 w2", dict(block_v=16, num_warps=2), TS),  # spills at T = 16
-        ("hoist+par BV16 w4 x2 tiles", dict(block_v=16, num_warps=4, tiles_per_program=2), TS),  # spills at 16
-        ("hoist+par BV32 w4 x4 tiles (1 program/head)", dict(block_v=32, num_warps=4, tiles_per_program=4),
-         (1,)),  # spills from T = 6
-        ("first BV16 w4", dict(block_v=16, num_warps=4, hoist_loads=False, parallel_read=False), TS),
-        ("hoist BV16 w4", dict(block_v=16, num_warps=4, parallel_read=False), TS),
-        ("par BV16 w4", dict(block_v=16, num_warps=4, hoist_loads=False), TS),
+        # Register use and spills at T = 16 from an sm_90 compile of the unrolled kernel. One warp per program
+        # measured 1.2-2x slower (bench/results/kda_h200_2026-11-29_run3.md), so no 1-warp variants.
+        ("default: BV16 w4, unrolled to T=8, row loop above", dict(block_v=16, num_warps=4), TS),
+        ("unrolled BV16 w4", dict(block_v=16, num_warps=4, row_loop=False), (16,)),  # 232 regs at 16, no spills
+        ("row loop BV16 w4", dict(block_v=16, num_warps=4, row_loop=True), (1, 6)),
+        ("row loop BV32 w4", dict(block_v=32, num_warps=4, row_loop=True), TS),
+        ("row loop BV16 w2", dict(block_v=16, num_warps=2, row_loop=True), TS),
+        ("unrolled BV32 w4", dict(block_v=32, num_warps=4, row_loop=False), TS),  # 254 regs, no spills
+        ("unrolled BV64 w4", dict(block_v=64, num_warps=4, row_loop=False), TS),
+        ("unrolled BV8 w2", dict(block_v=8, num_warps=2, row_loop=False), TS),  # 254 regs, no spills
+        ("unrolled BV32 w8", dict(block_v=32, num_warps=8, row_loop=False), (1, 6)),  # spills at 16
+        ("unrolled BV8 w4", dict(block_v=8, num_warps=4, row_loop=False), TS),  # 200 regs, but 512 programs
+        ("unrolled BV16 w2", dict(block_v=16, num_warps=2, row_loop=False), TS),  # spills at T = 16
+        ("unrolled BV16 w4 x2 tiles", dict(block_v=16, num_warps=4, tiles_per_program=2, row_loop=False),
+         TS),  # spills at 16
+        ("unrolled BV32 w4 x4 tiles (1 program/head)", dict(block_v=32, num_warps=4, tiles_per_program=4,
+                                                             row_loop=False), (1,)),  # spills from T = 6
+        ("unrolled, first version BV16 w4", dict(block_v=16, num_warps=4, hoist_loads=False, parallel_read=False,
+                                                 row_loop=False), TS),
+        ("unrolled, hoist only BV16 w4", dict(block_v=16, num_warps=4, parallel_read=False, row_loop=False), TS),
+        ("unrolled, parallel read only BV16 w4", dict(block_v=16, num_warps=4, hoist_loads=False, row_loop=False),
+         TS),
     ]
-    sweep = [(label, opts, t) for label, opts, ts in variants for t in ts] if "chain" in PARTS else []
+    for t in TS:  # the default's two kernels round every row alike (see the module docstring)
+        got = [jax.device_get(kda_chain_verify(*chain_args(xs_t[t], 0), tokens=t, **cfg, row_loop=loop))
+               for loop in (False, True)]
+        same = all(np.array_equal(a, b) for a, b in zip(*got))
+        print(f"check chain T={t}: row loop and unrolled kernel {'bit-identical' if same else 'DIFFER'}", flush=True)
+        results.setdefault("checks", {})[f"chain_row_loop_bitwise_T{t}"] = same
+    sweep = [(label, opts, t) for label, opts, ts in variants for t in ts if t in TS] if "chain" in PARTS else []
     while sweep and not spent(0.6):  # then the other kernels get their turn; the rest of the sweep follows
         run_timed(time_chain, *sweep.pop(0))
 

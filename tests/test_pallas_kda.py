@@ -35,11 +35,15 @@ def _real_rows(args, t):
     return (args[0][:t], args[1][:t]) + args[2:]
 
 
-# kda_chain_verify options: the first measured version, each option alone, and the default (both on)
-CHAIN_OPTS = {"first": dict(hoist_loads=False, parallel_read=False),
-              "hoisted": dict(hoist_loads=True, parallel_read=False),
-              "parallel": dict(hoist_loads=False, parallel_read=True),
-              "hoisted-parallel": {}}
+# kda_chain_verify options: the first measured version, each option alone (these three unrolled at every
+# T), the default (both on; unrolled to T = 8, the row loop above), and the row loop at every T
+CHAIN_OPTS = {"first": dict(hoist_loads=False, parallel_read=False, row_loop=False),
+              "hoisted": dict(hoist_loads=True, parallel_read=False, row_loop=False),
+              "parallel": dict(hoist_loads=False, parallel_read=True, row_loop=False),
+              "hoisted-parallel": {},
+              "unrolled": dict(row_loop=False),
+              "row-loop": dict(row_loop=True),
+              "row-loop-serial-read": dict(row_loop=True, parallel_read=False)}
 
 
 def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, rows=None, **opts):
@@ -80,7 +84,7 @@ def test_chain_verify_options(t, h, opts):
     _check_chain(t, h, 32, jnp.float32, 4, safe=False, **CHAIN_OPTS[opts])
 
 
-@pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop"])
 def test_chain_verify_tiles_and_gate_forms(opts):
     """BV tiling (down to 4 columns) does not change results; the non-safe gate is fused too."""
     opts = CHAIN_OPTS[opts]
@@ -92,7 +96,7 @@ def test_chain_verify_tiles_and_gate_forms(opts):
 
 
 @pytest.mark.parametrize("tiles", [2, 4])  # 4 x BV 8 = V: one program per head
-@pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop"])
 def test_chain_verify_tiles_per_program(tiles, opts):
     """Several V tiles per program (prologue once per program) give the one-tile results."""
     for t, h, dtype, rows in ((1, 3, jnp.float32, None), (7, 5, jnp.float32, 16), (16, 3, jnp.bfloat16, None)):
@@ -102,12 +106,12 @@ def test_chain_verify_tiles_per_program(tiles, opts):
         assert rel_err(o, o1) <= 1e-6 and rel_err(staged, staged1) <= 1e-6
 
 
-@pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop"])
 def test_chain_verify_head_dim_128(opts):
     _check_chain(4, 1, 128, jnp.float32, 0, block_v=64, **CHAIN_OPTS[opts])
 
 
-@pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_chain_verify_padded_rows(dtype, opts):
     """T real rows of 16, as a decode/verify forward passes them, the padding rows random garbage:
@@ -126,7 +130,7 @@ def test_chain_verify_padded_rows(dtype, opts):
         assert np.array_equal(out[t][0][:t], out[7][0][:t]) and np.array_equal(out[t][1], out[7][1][:t])
 
 
-@pytest.mark.parametrize("opts", ["first", "hoisted-parallel"])
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop"])
 def test_chain_verify_rows_equal_sequential_decode(opts):
     """Verify row r's staged state = r+1 decode steps (T=1 calls) with the window carried along."""
     t, h, d = 5, 3, 16

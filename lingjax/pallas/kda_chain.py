@@ -4,7 +4,9 @@ One program per (head, group of `tiles_per_program` V tiles of BV columns). Each
 committed state tiles [K, BV] once, recomputes the short conv + SiLU, the l2norms, the safe gate and
 beta for its head (cheap, V-independent, so duplicated per program), runs the gated delta rule over
 the T <= 16 new rows and writes the state after every row to `staged` and the output row to `o`.
-Every K-reduction is over the whole K axis of one tile, so results do not depend on BV.
+Every K-reduction is over the whole K axis of one tile, so BV does not change the sum mathematically; on
+the H200 the bits differ in the last place between BV16 and BV32 (the reduction tree follows the
+register layout, which BV sets), so the speculative step and plain decode must use one BV.
 
 The inputs are the layer's in_proj and b_proj outputs on all the forward's rows (lingjax.model: a
 decode/verify forward runs the projections on 16 zero-padded rows, the first T = `tokens` real). The
@@ -29,6 +31,15 @@ bench/results/kda_h200_2026-11-29.md, they took T = 1/6/16 from 9.3/17.1/47.5 µ
 - tiles_per_program: V tiles per program, their independent chains interleaved row by row; the
   head's prologue (conv, norms, gate) is computed once per program instead of once per tile, and
   tiles_per_program = V / BV gives one program per head (more registers: spills at large T).
+- row_loop: the rows in a fori_loop (_chain_loop_kernel) instead of unrolled: one compiled row body,
+  the conv window carried, each row's prologue inside the loop and the next row's reads issued ahead
+  of it. The unrolled kernel's rows past the eighth cost ~3.9 µs each; issuing the reads and prologue
+  in blocks of rows did not change that, the loop's one row body did (~1.5 µs a row), so the cause is
+  the unrolled code itself, probably its size. On the H200 (bench/results/kda_h200x2_2026-11-30.md): T = 16 in 29 against 45 µs, T = 10 in
+  20 against 23, but T = 1-6 0.5-3 µs slower (no hoisting across rows). The default (None) takes the
+  unrolled kernel up to UNROLLED_MAX_T rows and the loop above: both compute bit-identical rows at BV16
+  on the H200 (checked at T = 1, 4, 6, 10, 16), so a verify of any width matches plain decode. (In
+  interpret mode on the CPU they differ in the last bits.)
 
 Reference: lingjax.ops.kda.kda_chain (math in ling3_architecture.md §3).
 """
@@ -44,21 +55,75 @@ from jax.experimental.pallas import triton as pltriton
 
 from lingjax.pallas import resolve_interpret
 
+F32 = jnp.float32
 MAX_T = 16
+UNROLLED_MAX_T = 8  # row_loop=None: the unrolled kernel up to this many rows, the row loop above
+
+
+def _head_and_tiles(tiles, block_v):
+    """This program's head and the first V column of each of its tiles."""
+    h, j = pl.program_id(0), pl.program_id(1)
+    return h, [(j * tiles + i) * block_v for i in range(tiles)]
+
+
+def _conv_silu(w, src):
+    """SiLU of one row's short conv: w W x [n] conv weights, src the W pre-conv rows [n] f32, oldest first."""
+    acc = w[0] * src[0]
+    for wi, x in zip(w[1:], src[1:]):
+        acc = acc + wi * x
+    return acc * jax.nn.sigmoid(acc)
+
+
+def _l2norm(x):  # eps inside the sqrt, as lingjax.ops.norms.l2norm
+    return x / jnp.sqrt(jnp.sum(x * x) + 1e-6)
+
+
+def _row_prologue(q_conv, k_conv, f, b, dtb, rate, *, safe_gate, lower_bound, parallel_read):
+    """Row t's state-independent inputs from its conv outputs, f [K] and b:
+    (decay exp(g_t) [K], k_t [K], q_t [K], beta_t, q_t.k_t or None)."""
+    q, k = _l2norm(q_conv) * q_conv.shape[0]**-0.5, _l2norm(k_conv)
+    x = f.astype(F32) + dtb
+    g = lower_bound * jax.nn.sigmoid(rate * x) if safe_gate else -rate * jax.nn.softplus(x)
+    beta = jax.nn.sigmoid(b.astype(F32))  # the only sigmoid on beta
+    return jnp.exp(g), k, q, beta, jnp.sum(q * k) if parallel_read else None
+
+
+def _chain_row(s, vs, decay, k, q, beta, qk, *, st_ref, o_ref, t, h, col0, block_v):
+    """One row of the gated delta rule on every V tile: s tiles x [K, BV] -> the new tiles, stored to
+    st_ref[t] with the output row o_ref[t]; vs tiles x [BV]. qk None: read the written state."""
+    # [:, None] here, not in the prologue: T rows x 3 vectors broadcast into the tile's layout ahead of
+    # the unrolled chain spill registers at T = 16; the compact 1-D vectors do not
+    k, decay = k[:, None], decay[:, None]
+    new = []
+    for si, v, c in zip(s, vs, col0):
+        sd = si * decay  # decay rows
+        u = jnp.sum(sd * k, axis=0)  # [BV] predict
+        if qk is not None:
+            w = jnp.sum(sd * q[:, None], axis=0)  # [BV] read of the decayed state, beside the predict
+        delta = beta * (v - u)
+        si = sd + k * delta[None, :]  # delta write
+        st_ref[t, h, :, pl.ds(c, block_v)] = si
+        o_ref[t, h, pl.ds(c, block_v)] = w + qk * delta if qk is not None else jnp.sum(si * q[:, None], axis=0)
+        new.append(si)
+    return new
+
+
+def _zero_rows(o_ref, tokens, h, col0, block_v):
+    """The output rows past T: zeros, so the caller needs no pad (one row per store, as the chain's)."""
+    for t in range(tokens, o_ref.shape[0]):
+        for c in col0:
+            o_ref[t, h, pl.ds(c, block_v)] = jnp.zeros((block_v,), F32)
 
 
 def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
                   o_ref, st_ref,  # outputs
-                  *, tokens, num_heads, dim, block_v, tiles, safe_gate, lower_bound, hoist_loads,
-                  parallel_read):
+                  *, tokens, num_heads, dim, block_v, tiles, hoist_loads, **gate):
     # proj_ref [rows, >=4P] (q|k|v columns [0, 3P), f [3P, 4P)); b_ref [rows, H]; win_ref [W-1, 3P];
     # convw_ref [3P, W] f32; alog_ref [H]; dtb_ref [P]; s_ref [H, K, V] f32
     # -> o_ref [rows, H, V] f32; st_ref [T, H, K, V] f32, T = tokens. Input rows >= T are never read.
-    h, j = pl.program_id(0), pl.program_id(1)
-    p = num_heads * dim
-    width = convw_ref.shape[1]
-    f32 = jnp.float32
-    col0 = [(j * tiles + i) * block_v for i in range(tiles)]  # first V column of each tile
+    # gate: safe_gate, lower_bound, parallel_read (_row_prologue)
+    h, col0 = _head_and_tiles(tiles, block_v)
+    p, width = num_heads * dim, convw_ref.shape[1]
 
     def early(fn):  # fn's result: computed here when hoisting, else once, where it is first used
         if hoist_loads:
@@ -83,68 +148,68 @@ def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,
     # ---- prologue: everything that does not depend on the state
     def conv_silu(chan):  # rows t of SiLU(conv): T x [n]
         w_in, src_in = chan
-        w, src = w_in(), [x().astype(f32) for x in src_in]
-        rows = []
-        for t in range(tokens):
-            acc = w[0] * src[t]
-            for i in range(1, width):
-                acc = acc + w[i] * src[t + i]
-            rows.append(acc * jax.nn.sigmoid(acc))
-        return rows
+        w, src = w_in(), [x().astype(F32) for x in src_in]
+        return [_conv_silu(w, src[t:t + width]) for t in range(tokens)]
 
-    def l2norm(x):  # eps inside the sqrt, as lingjax.ops.norms.l2norm
-        return x / jnp.sqrt(jnp.sum(x * x) + 1e-6)
-
-    qs = [l2norm(x) * dim**-0.5 for x in conv_silu(q_in)]  # T x [K]
-    ks = [l2norm(x) for x in conv_silu(k_in)]  # T x [K]
+    q_conv, k_conv = conv_silu(q_in), conv_silu(k_in)  # T x [K]
     vs = [conv_silu(c) for c in v_in]  # tiles x T x [BV]
-    rate = early(lambda: jnp.exp(alog_in().astype(f32)))
-    dtb = early(lambda: dtb_in().astype(f32))
-
-    def row_inputs(t):  # decay exp(g_t) [K], k_t [K], q_t [K], beta_t, q_t.k_t
-        x = f_in[t]().astype(f32) + dtb()
-        if safe_gate:
-            g = lower_bound * jax.nn.sigmoid(rate() * x)
-        else:
-            g = -rate() * jax.nn.softplus(x)
-        beta = jax.nn.sigmoid(b_in[t]().astype(f32))  # the only sigmoid on beta
-        qk = jnp.sum(qs[t] * ks[t]) if parallel_read else None
-        return jnp.exp(g), ks[t], qs[t], beta, qk
-
-    rows = [early(functools.partial(row_inputs, t)) for t in range(tokens)]
+    rate = early(lambda: jnp.exp(alog_in().astype(F32)))
+    dtb = early(lambda: dtb_in().astype(F32))
+    rows = [early(lambda t=t: _row_prologue(q_conv[t], k_conv[t], f_in[t](), b_in[t](), dtb(), rate(), **gate))
+            for t in range(tokens)]
 
     # ---- the chain: T rows, the tiles' independent chains interleaved
     s = [x() for x in s_in]
     for t in range(tokens):
-        decay, k, q, beta, qk = rows[t]()
-        # [:, None] here, not in row_inputs: T rows x 3 vectors broadcast into the tile's layout ahead
-        # of the chain spill registers at T = 16; the compact 1-D vectors do not
-        k, decay = k[:, None], decay[:, None]
-        for i, c in enumerate(col0):
-            sd = s[i] * decay  # decay rows
-            u = jnp.sum(sd * k, axis=0)  # [BV] predict
-            if parallel_read:
-                w = jnp.sum(sd * q[:, None], axis=0)  # [BV] read of the decayed state, beside the predict
-            delta = beta * (vs[i][t] - u)
-            s[i] = sd + k * delta[None, :]  # delta write
-            st_ref[t, h, :, pl.ds(c, block_v)] = s[i]
-            o_ref[t, h, pl.ds(c, block_v)] = w + qk * delta if parallel_read else jnp.sum(s[i] * q[:, None], axis=0)
+        s = _chain_row(s, [v[t] for v in vs], *rows[t](), st_ref=st_ref, o_ref=o_ref, t=t, h=h, col0=col0,
+                       block_v=block_v)
+    _zero_rows(o_ref, tokens, h, col0, block_v)
 
-    # the output rows past T: zeros, so the caller needs no pad (one row per store, as above)
-    for t in range(tokens, o_ref.shape[0]):
-        for c in col0:
-            o_ref[t, h, pl.ds(c, block_v)] = jnp.zeros((block_v,), jnp.float32)
+
+def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
+                       o_ref, st_ref,  # outputs
+                       *, tokens, num_heads, dim, block_v, tiles, **gate):
+    # The same contract as _chain_kernel, the rows in a fori_loop: one compiled row body whatever T, the
+    # conv window carried, and the next row's global reads issued before this row's reductions.
+    h, col0 = _head_and_tiles(tiles, block_v)
+    p, width = num_heads * dim, convw_ref.shape[1]
+    chans = [(h * dim, dim), (p + h * dim, dim)] + [(2 * p + h * dim + c, block_v) for c in col0]  # q, k, v tiles
+
+    def reads(t):  # row t's global reads: pre-conv q, k, v tiles, f, b
+        return ([proj_ref[t, pl.ds(c0, n)] for c0, n in chans], proj_ref[t, pl.ds(3 * p + h * dim, dim)],
+                b_ref[t, h])
+
+    s0 = [s_ref[h, :, pl.ds(c, block_v)] for c in col0]  # tiles x [K, BV]
+    win0 = [[win_ref[r, pl.ds(c0, n)].astype(F32) for r in range(width - 1)] for c0, n in chans]
+    first = reads(0)
+    conv_w = [[convw_ref[pl.ds(c0, n), i] for i in range(width)] for c0, n in chans]
+    rate = jnp.exp(alog_ref[h].astype(F32))
+    dtb = dtb_ref[pl.ds(h * dim, dim)].astype(F32)
+
+    def row(t, carry):
+        s, win, (x_t, f_t, b_t) = carry
+        nxt = reads(jnp.minimum(t + 1, tokens - 1))  # the last row re-reads itself, unused
+        src = [rows + [x.astype(F32)] for rows, x in zip(win, x_t)]
+        q_conv, k_conv, *vs = [_conv_silu(w, x) for w, x in zip(conv_w, src)]
+        inputs = _row_prologue(q_conv, k_conv, f_t, b_t, dtb, rate, **gate)
+        s = _chain_row(s, vs, *inputs, st_ref=st_ref, o_ref=o_ref, t=t, h=h, col0=col0, block_v=block_v)
+        return s, [x[1:] for x in src], nxt
+
+    jax.lax.fori_loop(0, tokens, row, (s0, win0, first))
+    _zero_rows(o_ref, tokens, h, col0, block_v)
 
 
 @functools.partial(jax.jit, static_argnames=("tokens", "num_heads", "safe_gate", "lower_bound", "block_v",
                                              "num_warps", "hoist_loads", "parallel_read", "tiles_per_program",
-                                             "interpret"))
+                                             "row_loop", "interpret"))
 def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate, lower_bound,
                      block_v: int = 16, num_warps: int = 4, hoist_loads: bool = True,
-                     parallel_read: bool = True, tiles_per_program: int = 1, interpret=None):
+                     parallel_read: bool = True, tiles_per_program: int = 1, row_loop: bool | None = None,
+                     interpret=None):
     """Same arguments and results as lingjax.ops.kda.kda_chain: (o [rows, H, V] f32, zero past row
     `tokens`; staged [tokens, H, K, V] f32). block_v: V columns per tile; tiles_per_program (clamped to
-    V / block_v), hoist_loads, parallel_read: see the module docstring."""
+    V / block_v), hoist_loads, parallel_read, row_loop (None: the loop above UNROLLED_MAX_T rows): see the
+    module docstring."""
     rows = proj.shape[0]
     h, dk, dv = state.shape
     assert 1 <= tokens <= min(rows, MAX_T), f"chain-verify takes 1..{MAX_T} tokens of {rows} rows, got {tokens}"
@@ -153,9 +218,12 @@ def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, 
     block_v = min(block_v, dv)
     tiles = min(tiles_per_program, dv // block_v)
     assert dv % (block_v * tiles) == 0, (dv, block_v, tiles)
-    kernel = functools.partial(_chain_kernel, tokens=tokens, num_heads=h, dim=dk, block_v=block_v, tiles=tiles,
-                               safe_gate=safe_gate, lower_bound=lower_bound, hoist_loads=hoist_loads,
-                               parallel_read=parallel_read)
+    cfg = dict(tokens=tokens, num_heads=h, dim=dk, block_v=block_v, tiles=tiles, safe_gate=safe_gate,
+               lower_bound=lower_bound, parallel_read=parallel_read)
+    if row_loop or (row_loop is None and tokens > UNROLLED_MAX_T):
+        kernel = functools.partial(_chain_loop_kernel, **cfg)
+    else:
+        kernel = functools.partial(_chain_kernel, hoist_loads=hoist_loads, **cfg)
     return pl.pallas_call(
         kernel,
         grid=(h, dv // (block_v * tiles)),
