@@ -139,6 +139,7 @@ def jax_main(out_path):
     import numpy as np
     from jax import lax
 
+    from measure import median_seconds, rel  # bench/measure.py, beside this script
     from lingjax.ops import kda
     from lingjax.pallas.kda_chain import kda_chain_verify, kda_commit, kda_commit_reference
     from lingjax.pallas.kda_prefill import intra_chunk, kda_chunked_prefill
@@ -146,19 +147,8 @@ def jax_main(out_path):
     f32, bf16 = jnp.float32, jnp.bfloat16
     results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "rows": []}
 
-    def rel(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.abs(a - b).max() / np.abs(b).max()) if np.isfinite(a).all() else float("nan")
-
-    def median_time(fn, args, calls, reps=15):
-        out = fn(*args)
-        jax.block_until_ready(out)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append((time.perf_counter() - t0) * 1e6 / calls)
-        return statistics.median(times)
+    def median_time(fn, args, calls, reps=15):  # µs per call of a graph that makes `calls` calls
+        return median_seconds(fn, *args, reps=reps) * 1e6 / calls
 
     # bandwidth: a 2 GiB (SMALL: 2 MiB) bf16 copy (read + write), in-graph
     x = jnp.ones((1 << (20 if SMALL else 30),), bf16) * 1.5
