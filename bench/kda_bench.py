@@ -233,6 +233,7 @@ def jax_main(out_path):
         # Register use and spills at T = 16 from an sm_90 compile of the unrolled kernel. One warp per program
         # measured 1.2-2x slower (bench/results/kda_h200_2026-11-29_run3.md), so no 1-warp variants.
         ("default: BV16 w4, unrolled to T=8, row loop above", dict(block_v=16, num_warps=4), TS),
+        ("default + joint reductions", dict(block_v=16, num_warps=4, joint_reductions=True), TS),
         ("unrolled BV16 w4", dict(block_v=16, num_warps=4, row_loop=False), (16,)),  # 232 regs at 16, no spills
         ("row loop BV16 w4", dict(block_v=16, num_warps=4, row_loop=True), (1, 6)),
         ("row loop BV32 w4", dict(block_v=32, num_warps=4, row_loop=True), TS),

@@ -36,14 +36,18 @@ def _real_rows(args, t):
 
 
 # kda_chain_verify options: the first measured version, each option alone (these three unrolled at every
-# T), the default (both on; unrolled to T = 8, the row loop above), and the row loop at every T
+# T), the default (both on; unrolled to T = 8, the row loop above), the row loop at every T, and the
+# reductions joined (joint_reductions) in both kernels
 CHAIN_OPTS = {"first": dict(hoist_loads=False, parallel_read=False, row_loop=False),
               "hoisted": dict(hoist_loads=True, parallel_read=False, row_loop=False),
               "parallel": dict(hoist_loads=False, parallel_read=True, row_loop=False),
               "hoisted-parallel": {},
               "unrolled": dict(row_loop=False),
               "row-loop": dict(row_loop=True),
-              "row-loop-serial-read": dict(row_loop=True, parallel_read=False)}
+              "row-loop-serial-read": dict(row_loop=True, parallel_read=False),
+              "joint": dict(joint_reductions=True),
+              "row-loop-joint": dict(row_loop=True, joint_reductions=True),
+              "joint-serial-read": dict(joint_reductions=True, parallel_read=False)}
 
 
 def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, rows=None, **opts):
@@ -111,7 +115,7 @@ def test_chain_verify_head_dim_128(opts):
     _check_chain(4, 1, 128, jnp.float32, 0, block_v=64, **CHAIN_OPTS[opts])
 
 
-@pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop"])
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop", "joint"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_chain_verify_padded_rows(dtype, opts):
     """T real rows of 16, as a decode/verify forward passes them, the padding rows random garbage:

@@ -54,11 +54,13 @@ def test_moe_kernels_lower(tokens):
     assert _triton_calls(align, S((ROWS, K), I32)) == 1
 
 
-@pytest.mark.parametrize("tokens,row_loop", [(1, None), (4, None), (16, None), (4, True), (16, False)])
-def test_kda_kernels_lower(tokens, row_loop):  # None: unrolled to T = 8, the row loop above
+@pytest.mark.parametrize("tokens,opts", [(1, {}), (4, {}), (16, {}), (4, dict(row_loop=True)),
+                                         (16, dict(row_loop=False)), (1, dict(joint_reductions=True)),
+                                         (16, dict(joint_reductions=True))])
+def test_kda_kernels_lower(tokens, opts):  # by default unrolled to T = 8, the row loop above
     p = H * DK
     chain = functools.partial(kda_chain_verify, tokens=tokens, num_heads=H, safe_gate=True, lower_bound=-5.0,
-                              row_loop=row_loop, interpret=False)
+                              interpret=False, **opts)
     args = (S((ROWS, 5 * p), BF), S((ROWS, H), BF), S((W - 1, 3 * p), BF), S((3 * p, W), F32), S((H,), F32),
             S((p,), F32), S((H, DK, DK), F32))
     assert _triton_calls(chain, *args) == 1

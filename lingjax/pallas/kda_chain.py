@@ -40,6 +40,11 @@ bench/results/kda_h200_2026-11-29.md, they took T = 1/6/16 from 9.3/17.1/47.5 µ
   unrolled kernel up to UNROLLED_MAX_T rows and the loop above: both compute bit-identical rows at BV16
   on the H200 (checked at T = 1, 4, 6, 10, 16), so a verify of any width matches plain decode. (In
   interpret mode on the CPU they differ in the last bits.)
+- joint_reductions (off: not yet timed on a GPU): the sums a row takes independently of each other in
+  one reduction each, stacked on a new last axis (Triton's join): |q|², |k|² and q.k in the prologue,
+  the predict u and the read w in the chain. Each reduction over K is a cross-warp exchange on the
+  serial chain; the Triton IR per row goes from 5 reductions to 2. q.k then comes from the unnormalised
+  vectors (rounding differs from the default in the last bits).
 
 Reference: lingjax.ops.kda.kda_chain (math in ling3_architecture.md §3).
 """
@@ -78,27 +83,49 @@ def _l2norm(x):  # eps inside the sqrt, as lingjax.ops.norms.l2norm
     return x / jnp.sqrt(jnp.sum(x * x) + 1e-6)
 
 
-def _row_prologue(q_conv, k_conv, f, b, dtb, rate, *, safe_gate, lower_bound, parallel_read):
+def _sum_pair(a, b, axis):
+    """(Σ a, Σ b) over `axis` as one reduction: the two stacked on a new last axis (Triton's join keeps
+    the pair in one thread), so the cross-warp exchange and its barriers happen once for both."""
+    return jnp.unstack(jnp.sum(jnp.stack([a, b], axis=-1), axis=axis), axis=-1)
+
+
+def _row_prologue(q_conv, k_conv, f, b, dtb, rate, *, safe_gate, lower_bound, parallel_read, joint_reductions):
     """Row t's state-independent inputs from its conv outputs, f [K] and b:
-    (decay exp(g_t) [K], k_t [K], q_t [K], beta_t, q_t.k_t or None)."""
-    q, k = _l2norm(q_conv) * q_conv.shape[0]**-0.5, _l2norm(k_conv)
+    (decay exp(g_t) [K], k_t [K], q_t [K], beta_t, q_t.k_t or None). joint_reductions: |q|², |k|² and
+    (parallel_read) q.k of the unnormalised vectors in one reduction, instead of three."""
+    scale = q_conv.shape[0]**-0.5
+    if joint_reductions:  # on [1, K] rows: Triton's split of the sums then gives [1] vectors, not 0-d tensors
+        qr, kr = q_conv[None, :], k_conv[None, :]
+        pairs = _sum_pair(jnp.stack([qr * qr, kr * kr], axis=-1), jnp.stack([qr * kr, jnp.zeros_like(qr)], axis=-1),
+                          1)  # ([|q|², |k|²], [q.k, 0]), each [1, 2]
+        (qq, kk), (qk, _) = (jnp.unstack(x, axis=-1) for x in pairs)  # [1] each
+        rq, rk = jnp.sqrt(qq + 1e-6), jnp.sqrt(kk + 1e-6)  # eps inside the sqrt, as _l2norm
+        q, k = q_conv / rq * scale, k_conv / rk
+        qk = qk / (rq * rk) * scale if parallel_read else None
+    else:
+        q, k = _l2norm(q_conv) * scale, _l2norm(k_conv)
+        qk = jnp.sum(q * k) if parallel_read else None
     x = f.astype(F32) + dtb
     g = lower_bound * jax.nn.sigmoid(rate * x) if safe_gate else -rate * jax.nn.softplus(x)
     beta = jax.nn.sigmoid(b.astype(F32))  # the only sigmoid on beta
-    return jnp.exp(g), k, q, beta, jnp.sum(q * k) if parallel_read else None
+    return jnp.exp(g), k, q, beta, qk
 
 
-def _chain_row(s, vs, decay, k, q, beta, qk, *, st_ref, o_ref, t, h, col0, block_v):
+def _chain_row(s, vs, decay, k, q, beta, qk, *, st_ref, o_ref, t, h, col0, block_v, joint_reductions):
     """One row of the gated delta rule on every V tile: s tiles x [K, BV] -> the new tiles, stored to
-    st_ref[t] with the output row o_ref[t]; vs tiles x [BV]. qk None: read the written state."""
+    st_ref[t] with the output row o_ref[t]; vs tiles x [BV]. qk None: read the written state.
+    joint_reductions (with qk): the predict and the read in one reduction."""
     # [:, None] here, not in the prologue: T rows x 3 vectors broadcast into the tile's layout ahead of
     # the unrolled chain spill registers at T = 16; the compact 1-D vectors do not
     k, decay = k[:, None], decay[:, None]
     new = []
     for si, v, c in zip(s, vs, col0):
         sd = si * decay  # decay rows
-        u = jnp.sum(sd * k, axis=0)  # [BV] predict
-        if qk is not None:
+        if qk is not None and joint_reductions:
+            u, w = _sum_pair(sd * k, sd * q[:, None], 0)  # [BV] predict and read, one reduction
+        else:
+            u = jnp.sum(sd * k, axis=0)  # [BV] predict
+        if qk is not None and not joint_reductions:
             w = jnp.sum(sd * q[:, None], axis=0)  # [BV] read of the decayed state, beside the predict
         delta = beta * (v - u)
         si = sd + k * delta[None, :]  # delta write
@@ -121,7 +148,7 @@ def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,
     # proj_ref [rows, >=4P] (q|k|v columns [0, 3P), f [3P, 4P)); b_ref [rows, H]; win_ref [W-1, 3P];
     # convw_ref [3P, W] f32; alog_ref [H]; dtb_ref [P]; s_ref [H, K, V] f32
     # -> o_ref [rows, H, V] f32; st_ref [T, H, K, V] f32, T = tokens. Input rows >= T are never read.
-    # gate: safe_gate, lower_bound, parallel_read (_row_prologue)
+    # gate: safe_gate, lower_bound, parallel_read, joint_reductions (_row_prologue)
     h, col0 = _head_and_tiles(tiles, block_v)
     p, width = num_heads * dim, convw_ref.shape[1]
 
@@ -162,7 +189,7 @@ def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,
     s = [x() for x in s_in]
     for t in range(tokens):
         s = _chain_row(s, [v[t] for v in vs], *rows[t](), st_ref=st_ref, o_ref=o_ref, t=t, h=h, col0=col0,
-                       block_v=block_v)
+                       block_v=block_v, joint_reductions=gate["joint_reductions"])
     _zero_rows(o_ref, tokens, h, col0, block_v)
 
 
@@ -192,7 +219,8 @@ def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s
         src = [rows + [x.astype(F32)] for rows, x in zip(win, x_t)]
         q_conv, k_conv, *vs = [_conv_silu(w, x) for w, x in zip(conv_w, src)]
         inputs = _row_prologue(q_conv, k_conv, f_t, b_t, dtb, rate, **gate)
-        s = _chain_row(s, vs, *inputs, st_ref=st_ref, o_ref=o_ref, t=t, h=h, col0=col0, block_v=block_v)
+        s = _chain_row(s, vs, *inputs, st_ref=st_ref, o_ref=o_ref, t=t, h=h, col0=col0, block_v=block_v,
+                       joint_reductions=gate["joint_reductions"])
         return s, [x[1:] for x in src], nxt
 
     jax.lax.fori_loop(0, tokens, row, (s0, win0, first))
@@ -201,15 +229,15 @@ def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s
 
 @functools.partial(jax.jit, static_argnames=("tokens", "num_heads", "safe_gate", "lower_bound", "block_v",
                                              "num_warps", "hoist_loads", "parallel_read", "tiles_per_program",
-                                             "row_loop", "interpret"))
+                                             "row_loop", "joint_reductions", "interpret"))
 def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate, lower_bound,
                      block_v: int = 16, num_warps: int = 4, hoist_loads: bool = True,
                      parallel_read: bool = True, tiles_per_program: int = 1, row_loop: bool | None = None,
-                     interpret=None):
+                     joint_reductions: bool = False, interpret=None):
     """Same arguments and results as lingjax.ops.kda.kda_chain: (o [rows, H, V] f32, zero past row
     `tokens`; staged [tokens, H, K, V] f32). block_v: V columns per tile; tiles_per_program (clamped to
-    V / block_v), hoist_loads, parallel_read, row_loop (None: the loop above UNROLLED_MAX_T rows): see the
-    module docstring."""
+    V / block_v), hoist_loads, parallel_read, row_loop (None: the loop above UNROLLED_MAX_T rows),
+    joint_reductions: see the module docstring."""
     rows = proj.shape[0]
     h, dk, dv = state.shape
     assert 1 <= tokens <= min(rows, MAX_T), f"chain-verify takes 1..{MAX_T} tokens of {rows} rows, got {tokens}"
@@ -219,7 +247,7 @@ def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, 
     tiles = min(tiles_per_program, dv // block_v)
     assert dv % (block_v * tiles) == 0, (dv, block_v, tiles)
     cfg = dict(tokens=tokens, num_heads=h, dim=dk, block_v=block_v, tiles=tiles, safe_gate=safe_gate,
-               lower_bound=lower_bound, parallel_read=parallel_read)
+               lower_bound=lower_bound, parallel_read=parallel_read, joint_reductions=joint_reductions)
     if row_loop or (row_loop is None and tokens > UNROLLED_MAX_T):
         kernel = functools.partial(_chain_loop_kernel, **cfg)
     else:
