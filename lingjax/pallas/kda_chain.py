@@ -35,11 +35,11 @@ bench/results/kda_h200_2026-11-29.md, they took T = 1/6/16 from 9.3/17.1/47.5 µ
   the conv window carried, each row's prologue inside the loop and the next row's reads issued ahead
   of it. The unrolled kernel's rows past the eighth cost ~3.9 µs each; issuing the reads and prologue
   in blocks of rows did not change that, the loop's one row body did (~1.5 µs a row), so the cause is
-  the unrolled code itself, probably its size. On the H200 (bench/results/kda_h200x2_2026-11-30.md): T = 16 in 29 against 45 µs, T = 10 in
-  20 against 23, but T = 1-6 0.5-3 µs slower (no hoisting across rows). The default (None) takes the
-  unrolled kernel up to UNROLLED_MAX_T rows and the loop above: both compute bit-identical rows at BV16
-  on the H200 (checked at T = 1, 4, 6, 10, 16), so a verify of any width matches plain decode. (In
-  interpret mode on the CPU they differ in the last bits.)
+  the unrolled code itself, probably its size. On the H200 (bench/results/kda_h200x2_2026-11-30.md):
+  T = 16 in 29 against 45 µs, T = 10 in 20 against 23, but T = 1-6 0.5-3 µs slower (no hoisting
+  across rows). The default (None) takes the unrolled kernel up to UNROLLED_MAX_T rows and the loop
+  above: both compute bit-identical rows at BV16 on the H200 (checked at T = 1, 4, 6, 10, 16), so a
+  verify of any width matches plain decode. (In interpret mode on the CPU they differ in the last bits.)
 - joint_reductions (off: not yet timed on a GPU): the sums a row takes independently of each other in
   one reduction each, stacked on a new last axis (Triton's join): |q|², |k|² and q.k in the prologue,
   the predict u and the read w in the chain. Each reduction over K is a cross-warp exchange on the
@@ -125,8 +125,8 @@ def _chain_row(s, vs, decay, k, q, beta, qk, *, st_ref, o_ref, t, h, col0, block
             u, w = _sum_pair(sd * k, sd * q[:, None], 0)  # [BV] predict and read, one reduction
         else:
             u = jnp.sum(sd * k, axis=0)  # [BV] predict
-        if qk is not None and not joint_reductions:
-            w = jnp.sum(sd * q[:, None], axis=0)  # [BV] read of the decayed state, beside the predict
+            if qk is not None:
+                w = jnp.sum(sd * q[:, None], axis=0)  # [BV] read of the decayed state, beside the predict
         delta = beta * (v - u)
         si = sd + k * delta[None, :]  # delta write
         st_ref[t, h, :, pl.ds(c, block_v)] = si
@@ -144,11 +144,11 @@ def _zero_rows(o_ref, tokens, h, col0, block_v):
 
 def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
                   o_ref, st_ref,  # outputs
-                  *, tokens, num_heads, dim, block_v, tiles, hoist_loads, **gate):
+                  *, tokens, num_heads, dim, block_v, tiles, hoist_loads, **row_opts):
     # proj_ref [rows, >=4P] (q|k|v columns [0, 3P), f [3P, 4P)); b_ref [rows, H]; win_ref [W-1, 3P];
     # convw_ref [3P, W] f32; alog_ref [H]; dtb_ref [P]; s_ref [H, K, V] f32
     # -> o_ref [rows, H, V] f32; st_ref [T, H, K, V] f32, T = tokens. Input rows >= T are never read.
-    # gate: safe_gate, lower_bound, parallel_read, joint_reductions (_row_prologue)
+    # row_opts: safe_gate, lower_bound, parallel_read, joint_reductions (_row_prologue, _chain_row)
     h, col0 = _head_and_tiles(tiles, block_v)
     p, width = num_heads * dim, convw_ref.shape[1]
 
@@ -182,20 +182,20 @@ def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,
     vs = [conv_silu(c) for c in v_in]  # tiles x T x [BV]
     rate = early(lambda: jnp.exp(alog_in().astype(F32)))
     dtb = early(lambda: dtb_in().astype(F32))
-    rows = [early(lambda t=t: _row_prologue(q_conv[t], k_conv[t], f_in[t](), b_in[t](), dtb(), rate(), **gate))
+    rows = [early(lambda t=t: _row_prologue(q_conv[t], k_conv[t], f_in[t](), b_in[t](), dtb(), rate(), **row_opts))
             for t in range(tokens)]
 
     # ---- the chain: T rows, the tiles' independent chains interleaved
     s = [x() for x in s_in]
     for t in range(tokens):
         s = _chain_row(s, [v[t] for v in vs], *rows[t](), st_ref=st_ref, o_ref=o_ref, t=t, h=h, col0=col0,
-                       block_v=block_v, joint_reductions=gate["joint_reductions"])
+                       block_v=block_v, joint_reductions=row_opts["joint_reductions"])
     _zero_rows(o_ref, tokens, h, col0, block_v)
 
 
 def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
                        o_ref, st_ref,  # outputs
-                       *, tokens, num_heads, dim, block_v, tiles, **gate):
+                       *, tokens, num_heads, dim, block_v, tiles, **row_opts):
     # The same contract as _chain_kernel, the rows in a fori_loop: one compiled row body whatever T, the
     # conv window carried, and the next row's global reads issued before this row's reductions.
     h, col0 = _head_and_tiles(tiles, block_v)
@@ -218,9 +218,9 @@ def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s
         nxt = reads(jnp.minimum(t + 1, tokens - 1))  # the last row re-reads itself, unused
         src = [rows + [x.astype(F32)] for rows, x in zip(win, x_t)]
         q_conv, k_conv, *vs = [_conv_silu(w, x) for w, x in zip(conv_w, src)]
-        inputs = _row_prologue(q_conv, k_conv, f_t, b_t, dtb, rate, **gate)
+        inputs = _row_prologue(q_conv, k_conv, f_t, b_t, dtb, rate, **row_opts)
         s = _chain_row(s, vs, *inputs, st_ref=st_ref, o_ref=o_ref, t=t, h=h, col0=col0, block_v=block_v,
-                       joint_reductions=gate["joint_reductions"])
+                       joint_reductions=row_opts["joint_reductions"])
         return s, [x[1:] for x in src], nxt
 
     jax.lax.fori_loop(0, tokens, row, (s0, win0, first))
