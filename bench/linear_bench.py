@@ -68,7 +68,7 @@ def timing_loop(fn, iters):
             xi = jax.lax.optimization_barrier(x + (i * 0).astype(x.dtype))
             return tuple(fn(xi, w) for w in ws)
 
-        init = tuple(jnp.zeros(jax.eval_shape(fn, x, w).shape, jax.eval_shape(fn, x, w).dtype) for w in ws)
+        init = tuple(jnp.zeros(out.shape, out.dtype) for out in (jax.eval_shape(fn, x, w) for w in ws))
         return jax.lax.fori_loop(0, iters, body, init)
 
     return jax.jit(run)

@@ -90,7 +90,8 @@ def test_chain_verify_options(t, h, opts):
 
 @pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop"])
 def test_chain_verify_tiles_and_gate_forms(opts):
-    """BV tiling (down to 4 columns) does not change results; the non-safe gate is fused too."""
+    """BV tiling (down to 4 columns) changes results only in rounding (on the GPU BV16 and BV32 differ in
+    the last bits); the non-safe gate is fused too."""
     opts = CHAIN_OPTS[opts]
     args, _, staged = _check_chain(3, 1, 32, jnp.float32, 7, block_v=4, **opts)
     _, staged_wide = kda_chain_verify(*args, tokens=3, num_heads=1, safe_gate=True, lower_bound=-5.0, block_v=32,
