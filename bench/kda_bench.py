@@ -15,8 +15,8 @@ exact and tf32 precisions, tile and warp alternatives); then, while the budget l
 references, the rest of the chain variants and more prefill tiles. Ends with a table of the variants.
 KDA_BENCH_PARTS=prefill (or chain) leaves the other part's sweep out. KDA_BENCH_TS=1,2,4,8,16 times the
 chain at those T instead of 1, 6, 16. Before the timings, the unrolled chain kernel and the row loop
-(kda_chain_verify's row_loop) are checked bit for bit against each other at every T: the default switches
-between them at UNROLLED_MAX_T rows, and a verify must round each row as plain decode (T = 1) does.
+(kda_chain_verify's row_loop) are checked bit for bit against each other at every T: the default takes the
+loop at T = 1 and above UNROLLED_MAX_T rows, and a verify must round each row as plain decode (T = 1) does.
 (A GPU check: in interpret mode on the CPU the two differ in the last bits.)
 """
 
@@ -87,10 +87,24 @@ def fla_main():
             for i in range(R):
                 fused_recurrent_kda(q[i], k[i], v[i], g[i], beta[i], initial_state=s[i], output_final_state=True)
 
-        try:
-            res[f"fused_recurrent_T{t}"] = graph_time(run, R)
-        except Exception as e:  # report and go on
-            res[f"fused_recurrent_T{t}"] = f"failed: {type(e).__name__}: {e}"[:300]
+        # the fusions ours has, less the conv: l2norm of raw q, k, the safe gate from raw f with A_log and
+        # dt_bias, and beta's sigmoid, all in fla's kernel (as a serving stack calls it)
+        qr, kr = torch.randn_like(q, dtype=torch.bfloat16), torch.randn_like(k, dtype=torch.bfloat16)
+        fr, br = torch.randn_like(g), torch.randn_like(beta)
+        a_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
+        dt_bias = torch.randn(H * D, device=dev)
+
+        def run_fused():
+            for i in range(R):
+                fused_recurrent_kda(qr[i], kr[i], v[i], fr[i], br[i], A_log=a_log, dt_bias=dt_bias, initial_state=s[i],
+                                    output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                    use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+
+        for key, fn in ((f"fused_recurrent_T{t}", run), (f"fused_recurrent_in_kernel_T{t}", run_fused)):
+            try:
+                res[key] = graph_time(fn, R)
+            except Exception as e:  # report and go on
+                res[key] = f"failed: {type(e).__name__}: {e}"[:300]
         print(json.dumps(res), flush=True)
     q, k, v, g, beta, s = rnd_inputs(PREFILL_T, 2)
     for safe in (False, True):
@@ -232,13 +246,11 @@ def jax_main(out_path):
     variants = [  # (label, kda_chain_verify options, the T to time): the default first, then the untimed tilings.
         # Register use and spills at T = 16 from an sm_90 compile of the unrolled kernel. One warp per program
         # measured 1.2-2x slower (bench/results/kda_h200_2026-11-29_run3.md), so no 1-warp variants.
-        ("default: BV16 w4, unrolled to T=8, row loop above", dict(block_v=16, num_warps=4), TS),
-        ("default + joint reductions", dict(block_v=16, num_warps=4, joint_reductions=True), TS),
-        ("unrolled BV16 w4", dict(block_v=16, num_warps=4, row_loop=False), (16,)),  # 232 regs at 16, no spills
-        ("row loop BV16 w4", dict(block_v=16, num_warps=4, row_loop=True), (1, 6)),
-        ("row loop BV32 w4", dict(block_v=32, num_warps=4, row_loop=True), TS),
-        ("row loop BV16 w2", dict(block_v=16, num_warps=2, row_loop=True), TS),
+        ("default: BV32 w4, row loop at T=1 and T>8, unrolled between", dict(block_v=32, num_warps=4), TS),
         ("unrolled BV32 w4", dict(block_v=32, num_warps=4, row_loop=False), TS),  # 254 regs, no spills
+        ("row loop BV32 w4", dict(block_v=32, num_warps=4, row_loop=True), TS),
+        ("BV16 w4, the loop above T=8 (the previous default)", dict(block_v=16, num_warps=4), TS),
+        ("row loop BV16 w2", dict(block_v=16, num_warps=2, row_loop=True), TS),
         ("unrolled BV64 w4", dict(block_v=64, num_warps=4, row_loop=False), TS),
         ("unrolled BV8 w2", dict(block_v=8, num_warps=2, row_loop=False), TS),  # 254 regs, no spills
         ("unrolled BV32 w8", dict(block_v=32, num_warps=8, row_loop=False), (1, 6)),  # spills at 16
@@ -323,8 +335,8 @@ def jax_main(out_path):
     # (tf32x3, the f32 inputs' default) and plain tf32, then phase-1a/phase-2 tile and warp alternatives.
     time_prefill()
     run_timed(phase1)
-    for kw_p in (dict(precision="tf32x3"), dict(precision="tf32"), dict(blocks_warps=1), dict(blocks_warps=4),
-                 dict(block_k=64), dict(block_v=64)):
+    for kw_p in (dict(precision="tf32x3"), dict(precision="tf32"), dict(block_k=32, blocks_warps=2),
+                 dict(blocks_warps=2), dict(block_k=32), dict(block_v=64)):  # the third: the previous default
         time_prefill(**kw_p)
 
     # ---- optional while the budget lasts: XLA references, the rest of the chain sweep, more prefill tiles
@@ -336,7 +348,7 @@ def jax_main(out_path):
     def xla_prefill():
         add_row(f"xla kda_chunked T={tp}", median_time(jax.jit(kda.kda_chunked), pargs, 1, reps=3), pfloor)
 
-    psweep = [dict(fuse_output=False), dict(block_k=16, blocks_warps=1), dict(prepare_block_k=32),
+    psweep = [dict(fuse_output=False), dict(blocks_warps=4), dict(prepare_block_k=32),
               dict(chunk=32, block_v=16), dict(block_v=16, num_stages=1), dict(num_warps=8), dict(num_stages=1),
               dict(state_block_k=128), dict(block_k=64, blocks_warps=4), dict(chunk=32, fuse_output=False)]
     optional = [functools.partial(xla_chain, 6), functools.partial(phase1, precision="tf32x3")]
@@ -394,6 +406,9 @@ def summary(res, fla):
         if rows:
             b = min(rows, key=lambda r: r["us"])
             lines.append(f"T={t}: pallas chain best {b['us']:.2f} us ({b['variant']}); fla fused_recurrent {fla_s}")
+        fused = fla.get(f"fused_recurrent_in_kernel_T{t}")
+        lines.append(f"T={t}: fla fused_recurrent with l2norm, gate and beta sigmoid in its kernel: "
+                     + (f"{fused:.2f} us" if isinstance(fused, float) else str(fused)))
     for key in ("chunk_kda_T8192", "chunk_kda_safe_T8192"):
         lines.append(f"fla {key}: {fla.get(key)}")
     ref = fla.get(f"chunk_kda_T{PREFILL_T}")

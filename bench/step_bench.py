@@ -18,7 +18,8 @@ figures. Printed with
   shared expert, the distinct routed experts the routers actually chose (captured from the model),
   KDA state traffic, MLA latent cache, MTP draft weights; split weights count 1/tp, replicated
   ones (router, MLA kv_a_proj, latent cache) in full;
-- floor: bytes / bandwidth, the read bandwidth (a 4 GiB bf16 array summed) measured in the same run;
+- floor: bytes / bandwidth, the read bandwidth (a 4 GiB bf16 array summed) measured in the same run, at
+  its start and its end, the larger taken (one probe alone moved 2.73-3.48 TB/s between processes);
 - host dispatch: the host's time to enqueue a step (≈ the step time when the host sets the pace).
 --profile DIR traces --profile-steps spec rounds per configuration and prints the GPU-time census
 of lingjax.profiling side by side (kernel sets and TP sizes), calibrated against the unprofiled
@@ -285,12 +286,11 @@ def main():
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     say = Report(args.out)
 
-    bw = read_bandwidth()
+    bw_start = read_bandwidth()
     say(f"# step_bench: {args.model}, bf16, S={args.steps}, router {args.router_precision}, tp {args.tp}")
     say(f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} x{len(jax.devices())} visible, "
-        f"jax {jax.__version__}; read bandwidth per device (same run) {bw / 1e12:.2f} TB/s")
-    say("floor = bytes one device must read in the step / that bandwidth (split weights 1/tp, replicated in full)")
-    rows, censuses = [], {}
+        f"jax {jax.__version__}; read bandwidth per device at the start {bw_start / 1e12:.2f} TB/s")
+    measured_rows, censuses = [], {}  # (tp, kernels, step, s/step, host s/step, kernels in HLO, bytes)
     for tp in args.tp:
         t0 = time.perf_counter()
         base = lingjax.load(args.model, dtype="bfloat16", tp=tp, router_precision=args.router_precision)
@@ -319,22 +319,26 @@ def main():
             measured, census = bench_kernels(model, args, prompt, say)
             for kind, name, t, host, k in measured:
                 b = bytes_decode if kind == "decode" else bytes_round
-                floor = b / bw
-                rows.append(f"| {tp} | {variant_name(model)} | {name} | {t * 1e6:.0f} | {host * 1e6:.0f} | {k} | "
-                            f"{b / 1e6:.0f} | {floor * 1e6:.0f} | {t / floor:.2f} |")
-                say(rows[-1])
+                measured_rows.append((tp, variant_name(model), name, t, host, k, b))
+                say(f"tp={tp} {variant_name(model)}: {name}: {t * 1e6:.0f} µs/step, {b / 1e6:.0f} MB read per device")
             if census is not None:
                 censuses[f"tp{tp} {variant_name(model)}"] = census
             del model
         del base
         gc.collect()
         jax.clear_caches()
+    bw_end = read_bandwidth()
+    bw = max(bw_start, bw_end)
+    say(f"read bandwidth per device at the end {bw_end / 1e12:.2f} TB/s; floor = bytes one device must read in the "
+        f"step / {bw / 1e12:.2f} TB/s, the larger of the two (split weights 1/tp, replicated in full)")
     say()
     say("| tp | kernels | step | µs/step | host dispatch µs/step | kernels in HLO | MB read per device | floor µs | "
         "step / floor |")
     say("|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        say(row)
+    for tp, kernels, name, t, host, k, b in measured_rows:
+        floor = b / bw
+        say(f"| {tp} | {kernels} | {name} | {t * 1e6:.0f} | {host * 1e6:.0f} | {k} | {b / 1e6:.0f} | "
+            f"{floor * 1e6:.0f} | {t / floor:.2f} |")
     if censuses:
         say()
         say(f"GPU-time census of the spec round (device 0, {args.profile_steps} traced rounds; raw traces and HLO "

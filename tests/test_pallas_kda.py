@@ -36,18 +36,15 @@ def _real_rows(args, t):
 
 
 # kda_chain_verify options: the first measured version, each option alone (these three unrolled at every
-# T), the default (both on; unrolled to T = 8, the row loop above), the row loop at every T, and the
-# reductions joined (joint_reductions) in both kernels
+# T), the default (both on; the row loop at T = 1 and above T = 8, unrolled between), the unrolled kernel
+# and the row loop at every T
 CHAIN_OPTS = {"first": dict(hoist_loads=False, parallel_read=False, row_loop=False),
               "hoisted": dict(hoist_loads=True, parallel_read=False, row_loop=False),
               "parallel": dict(hoist_loads=False, parallel_read=True, row_loop=False),
               "hoisted-parallel": {},
               "unrolled": dict(row_loop=False),
               "row-loop": dict(row_loop=True),
-              "row-loop-serial-read": dict(row_loop=True, parallel_read=False),
-              "joint": dict(joint_reductions=True),
-              "row-loop-joint": dict(row_loop=True, joint_reductions=True),
-              "joint-serial-read": dict(joint_reductions=True, parallel_read=False)}
+              "row-loop-serial-read": dict(row_loop=True, parallel_read=False)}
 
 
 def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, rows=None, **opts):
@@ -116,7 +113,7 @@ def test_chain_verify_head_dim_128(opts):
     _check_chain(4, 1, 128, jnp.float32, 0, block_v=64, **CHAIN_OPTS[opts])
 
 
-@pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop", "joint"])
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "unrolled", "row-loop"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_chain_verify_padded_rows(dtype, opts):
     """T real rows of 16, as a decode/verify forward passes them, the padding rows random garbage:

@@ -55,9 +55,9 @@ def test_moe_kernels_lower(tokens):
 
 
 @pytest.mark.parametrize("tokens,opts", [(1, {}), (4, {}), (16, {}), (4, dict(row_loop=True)),
-                                         (16, dict(row_loop=False)), (1, dict(joint_reductions=True)),
-                                         (16, dict(joint_reductions=True))])
-def test_kda_kernels_lower(tokens, opts):  # by default unrolled to T = 8, the row loop above
+                                         (1, dict(row_loop=False)), (16, dict(row_loop=False)),
+                                         (4, dict(block_v=16))])
+def test_kda_kernels_lower(tokens, opts):  # by default the row loop at T = 1 and above T = 8, unrolled between
     p = H * DK
     chain = functools.partial(kda_chain_verify, tokens=tokens, num_heads=H, safe_gate=True, lower_bound=-5.0,
                               interpret=False, **opts)

@@ -16,7 +16,7 @@ every KDA layer's call. Row j's results (o[j], staged[j]) depend on input rows 0
 the state alone, never on T or the row count (row invariance, see lingjax.model).
 
 Each program is a serial chain (T rows, a few cross-warp reductions each) and, at H = 32 and
-BV = 16, all programs are resident at once, so the time is one program's latency. Options of
+BV <= 32, all programs are resident at once, so the time is one program's latency. Options of
 kda_chain_verify that shorten that chain (hoist_loads and parallel_read are on by default: on an H200,
 bench/results/kda_h200_2026-11-29.md, they took T = 1/6/16 from 9.3/17.1/47.5 µs to 7.5/13.2/45.8):
 - hoist_loads: issue every global read (state tiles, the T rows of q|k|v, f and b, window, conv weights)
@@ -35,16 +35,16 @@ bench/results/kda_h200_2026-11-29.md, they took T = 1/6/16 from 9.3/17.1/47.5 µ
   the conv window carried, each row's prologue inside the loop and the next row's reads issued ahead
   of it. The unrolled kernel's rows past the eighth cost ~3.9 µs each; issuing the reads and prologue
   in blocks of rows did not change that, the loop's one row body did (~1.5 µs a row), so the cause is
-  the unrolled code itself, probably its size. On the H200 (bench/results/kda_h200x2_2026-11-30.md):
-  T = 16 in 29 against 45 µs, T = 10 in 20 against 23, but T = 1-6 0.5-3 µs slower (no hoisting
-  across rows). The default (None) takes the unrolled kernel up to UNROLLED_MAX_T rows and the loop
-  above: both compute bit-identical rows at BV16 on the H200 (checked at T = 1, 4, 6, 10, 16), so a
-  verify of any width matches plain decode. (In interpret mode on the CPU they differ in the last bits.)
-- joint_reductions (off: not yet timed on a GPU): the sums a row takes independently of each other in
-  one reduction each, stacked on a new last axis (Triton's join): |q|², |k|² and q.k in the prologue,
-  the predict u and the read w in the chain. Each reduction over K is a cross-warp exchange on the
-  serial chain; the Triton IR per row goes from 5 reductions to 2. q.k then comes from the unnormalised
-  vectors (rounding differs from the default in the last bits).
+  the unrolled code itself, probably its size. The default (None) takes the loop at T = 1 and above
+  UNROLLED_MAX_T rows and the unrolled kernel between. The two compute bit-identical rows on the H200
+  (BV16: T = 1, 4, 6, 10, 16; BV32: T = 1, 4, 6), so a verify of any width matches plain decode. (In
+  interpret mode on the CPU they differ in the last bits.)
+
+Defaults (bench/results/kda_h200x2_2026-11-30_run2.md: every variant in one process, interleaved rounds,
+bench/kda_chain_ab.py): BV32 (128 programs at H = 32, one per SM) with 4 warps, T = 1 / 4 / 6 / 16 in
+6.1 / 9.9 / 12.4 / 28.3 µs against BV16's best kernel's 6.8 / 10.4 / 12.6 / 28.9; 2 or 8 warps are slower.
+Taking a row's independent sums in one reduction (Triton's join; 5 reductions a row to 2) measured no
+faster and was removed.
 
 Reference: lingjax.ops.kda.kda_chain (math in ling3_architecture.md §3).
 """
@@ -83,50 +83,25 @@ def _l2norm(x):  # eps inside the sqrt, as lingjax.ops.norms.l2norm
     return x / jnp.sqrt(jnp.sum(x * x) + 1e-6)
 
 
-def _sum_pair(a, b, axis):
-    """(Σ a, Σ b) over `axis` as one reduction: the two stacked on a new last axis (Triton's join keeps
-    the pair in one thread), so the cross-warp exchange and its barriers happen once for both."""
-    return jnp.unstack(jnp.sum(jnp.stack([a, b], axis=-1), axis=axis), axis=-1)
-
-
-def _row_prologue(q_conv, k_conv, f, b, dtb, rate, *, safe_gate, lower_bound, parallel_read, joint_reductions):
-    """Row t's state-independent inputs from its conv outputs, f [K] and b:
-    (decay exp(g_t) [K], k_t [K], q_t [K], beta_t, q_t.k_t or None). joint_reductions: |q|², |k|² and
-    (parallel_read) q.k of the unnormalised vectors in one reduction, instead of three."""
-    scale = q_conv.shape[0]**-0.5
-    if joint_reductions:  # on [1, K] rows: Triton's split of the sums then gives [1] vectors, not 0-d tensors
-        qr, kr = q_conv[None, :], k_conv[None, :]
-        pairs = _sum_pair(jnp.stack([qr * qr, kr * kr], axis=-1), jnp.stack([qr * kr, jnp.zeros_like(qr)], axis=-1),
-                          1)  # ([|q|², |k|²], [q.k, 0]), each [1, 2]
-        (qq, kk), (qk, _) = (jnp.unstack(x, axis=-1) for x in pairs)  # [1] each
-        rq, rk = jnp.sqrt(qq + 1e-6), jnp.sqrt(kk + 1e-6)  # eps inside the sqrt, as _l2norm
-        q, k = q_conv / rq * scale, k_conv / rk
-        qk = qk / (rq * rk) * scale if parallel_read else None
-    else:
-        q, k = _l2norm(q_conv) * scale, _l2norm(k_conv)
-        qk = jnp.sum(q * k) if parallel_read else None
+def _gate_beta(f, b, dtb, rate, *, safe_gate, lower_bound):
+    """Row t's decay exp(g_t) [K] from f [K], and beta_t = sigmoid(b), the only sigmoid on beta."""
     x = f.astype(F32) + dtb
     g = lower_bound * jax.nn.sigmoid(rate * x) if safe_gate else -rate * jax.nn.softplus(x)
-    beta = jax.nn.sigmoid(b.astype(F32))  # the only sigmoid on beta
-    return jnp.exp(g), k, q, beta, qk
+    return jnp.exp(g), jax.nn.sigmoid(b.astype(F32))
 
 
-def _chain_row(s, vs, decay, k, q, beta, qk, *, st_ref, o_ref, t, h, col0, block_v, joint_reductions):
+def _chain_row(s, vs, decay, k, q, beta, qk, *, st_ref, o_ref, t, h, col0, block_v):
     """One row of the gated delta rule on every V tile: s tiles x [K, BV] -> the new tiles, stored to
-    st_ref[t] with the output row o_ref[t]; vs tiles x [BV]. qk None: read the written state.
-    joint_reductions (with qk): the predict and the read in one reduction."""
+    st_ref[t] with the output row o_ref[t]; vs tiles x [BV]. qk None: read the written state."""
     # [:, None] here, not in the prologue: T rows x 3 vectors broadcast into the tile's layout ahead of
     # the unrolled chain spill registers at T = 16; the compact 1-D vectors do not
     k, decay = k[:, None], decay[:, None]
     new = []
     for si, v, c in zip(s, vs, col0):
         sd = si * decay  # decay rows
-        if qk is not None and joint_reductions:
-            u, w = _sum_pair(sd * k, sd * q[:, None], 0)  # [BV] predict and read, one reduction
-        else:
-            u = jnp.sum(sd * k, axis=0)  # [BV] predict
-            if qk is not None:
-                w = jnp.sum(sd * q[:, None], axis=0)  # [BV] read of the decayed state, beside the predict
+        u = jnp.sum(sd * k, axis=0)  # [BV] predict
+        if qk is not None:
+            w = jnp.sum(sd * q[:, None], axis=0)  # [BV] read of the decayed state, beside the predict
         delta = beta * (v - u)
         si = sd + k * delta[None, :]  # delta write
         st_ref[t, h, :, pl.ds(c, block_v)] = si
@@ -144,11 +119,10 @@ def _zero_rows(o_ref, tokens, h, col0, block_v):
 
 def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
                   o_ref, st_ref,  # outputs
-                  *, tokens, num_heads, dim, block_v, tiles, hoist_loads, **row_opts):
+                  *, tokens, num_heads, dim, block_v, tiles, hoist_loads, safe_gate, lower_bound, parallel_read):
     # proj_ref [rows, >=4P] (q|k|v columns [0, 3P), f [3P, 4P)); b_ref [rows, H]; win_ref [W-1, 3P];
     # convw_ref [3P, W] f32; alog_ref [H]; dtb_ref [P]; s_ref [H, K, V] f32
     # -> o_ref [rows, H, V] f32; st_ref [T, H, K, V] f32, T = tokens. Input rows >= T are never read.
-    # row_opts: safe_gate, lower_bound, parallel_read, joint_reductions (_row_prologue, _chain_row)
     h, col0 = _head_and_tiles(tiles, block_v)
     p, width = num_heads * dim, convw_ref.shape[1]
 
@@ -178,24 +152,29 @@ def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,
         w, src = w_in(), [x().astype(F32) for x in src_in]
         return [_conv_silu(w, src[t:t + width]) for t in range(tokens)]
 
-    q_conv, k_conv = conv_silu(q_in), conv_silu(k_in)  # T x [K]
+    # In this order (every row's q, then every row's k, v, then gate, beta and q.k per row) T = 6 measured
+    # 0.7 µs faster on the H200 than with each row's norms and gate together (the row loop's order).
+    qs = [_l2norm(x) * dim**-0.5 for x in conv_silu(q_in)]  # T x [K]
+    ks = [_l2norm(x) for x in conv_silu(k_in)]  # T x [K]
     vs = [conv_silu(c) for c in v_in]  # tiles x T x [BV]
     rate = early(lambda: jnp.exp(alog_in().astype(F32)))
     dtb = early(lambda: dtb_in().astype(F32))
-    rows = [early(lambda t=t: _row_prologue(q_conv[t], k_conv[t], f_in[t](), b_in[t](), dtb(), rate(), **row_opts))
-            for t in range(tokens)]
+    rows = [early(lambda t=t: (*_gate_beta(f_in[t](), b_in[t](), dtb(), rate(), safe_gate=safe_gate,
+                                           lower_bound=lower_bound),
+                               jnp.sum(qs[t] * ks[t]) if parallel_read else None)) for t in range(tokens)]
 
     # ---- the chain: T rows, the tiles' independent chains interleaved
     s = [x() for x in s_in]
     for t in range(tokens):
-        s = _chain_row(s, [v[t] for v in vs], *rows[t](), st_ref=st_ref, o_ref=o_ref, t=t, h=h, col0=col0,
-                       block_v=block_v, joint_reductions=row_opts["joint_reductions"])
+        decay, beta, qk = rows[t]()
+        s = _chain_row(s, [v[t] for v in vs], decay, ks[t], qs[t], beta, qk, st_ref=st_ref, o_ref=o_ref, t=t,
+                       h=h, col0=col0, block_v=block_v)
     _zero_rows(o_ref, tokens, h, col0, block_v)
 
 
 def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
                        o_ref, st_ref,  # outputs
-                       *, tokens, num_heads, dim, block_v, tiles, **row_opts):
+                       *, tokens, num_heads, dim, block_v, tiles, safe_gate, lower_bound, parallel_read):
     # The same contract as _chain_kernel, the rows in a fori_loop: one compiled row body whatever T, the
     # conv window carried, and the next row's global reads issued before this row's reductions.
     h, col0 = _head_and_tiles(tiles, block_v)
@@ -218,9 +197,10 @@ def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s
         nxt = reads(jnp.minimum(t + 1, tokens - 1))  # the last row re-reads itself, unused
         src = [rows + [x.astype(F32)] for rows, x in zip(win, x_t)]
         q_conv, k_conv, *vs = [_conv_silu(w, x) for w, x in zip(conv_w, src)]
-        inputs = _row_prologue(q_conv, k_conv, f_t, b_t, dtb, rate, **row_opts)
-        s = _chain_row(s, vs, *inputs, st_ref=st_ref, o_ref=o_ref, t=t, h=h, col0=col0, block_v=block_v,
-                       joint_reductions=row_opts["joint_reductions"])
+        q, k = _l2norm(q_conv) * dim**-0.5, _l2norm(k_conv)
+        decay, beta = _gate_beta(f_t, b_t, dtb, rate, safe_gate=safe_gate, lower_bound=lower_bound)
+        s = _chain_row(s, vs, decay, k, q, beta, jnp.sum(q * k) if parallel_read else None, st_ref=st_ref,
+                       o_ref=o_ref, t=t, h=h, col0=col0, block_v=block_v)
         return s, [x[1:] for x in src], nxt
 
     jax.lax.fori_loop(0, tokens, row, (s0, win0, first))
@@ -229,15 +209,15 @@ def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s
 
 @functools.partial(jax.jit, static_argnames=("tokens", "num_heads", "safe_gate", "lower_bound", "block_v",
                                              "num_warps", "hoist_loads", "parallel_read", "tiles_per_program",
-                                             "row_loop", "joint_reductions", "interpret"))
+                                             "row_loop", "interpret"))
 def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate, lower_bound,
-                     block_v: int = 16, num_warps: int = 4, hoist_loads: bool = True,
+                     block_v: int = 32, num_warps: int = 4, hoist_loads: bool = True,
                      parallel_read: bool = True, tiles_per_program: int = 1, row_loop: bool | None = None,
-                     joint_reductions: bool = False, interpret=None):
+                     interpret=None):
     """Same arguments and results as lingjax.ops.kda.kda_chain: (o [rows, H, V] f32, zero past row
     `tokens`; staged [tokens, H, K, V] f32). block_v: V columns per tile; tiles_per_program (clamped to
-    V / block_v), hoist_loads, parallel_read, row_loop (None: the loop above UNROLLED_MAX_T rows),
-    joint_reductions: see the module docstring."""
+    V / block_v), hoist_loads, parallel_read, row_loop (None: the loop at T = 1 and above UNROLLED_MAX_T
+    rows, unrolled between): see the module docstring."""
     rows = proj.shape[0]
     h, dk, dv = state.shape
     assert 1 <= tokens <= min(rows, MAX_T), f"chain-verify takes 1..{MAX_T} tokens of {rows} rows, got {tokens}"
@@ -247,8 +227,8 @@ def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, 
     tiles = min(tiles_per_program, dv // block_v)
     assert dv % (block_v * tiles) == 0, (dv, block_v, tiles)
     cfg = dict(tokens=tokens, num_heads=h, dim=dk, block_v=block_v, tiles=tiles, safe_gate=safe_gate,
-               lower_bound=lower_bound, parallel_read=parallel_read, joint_reductions=joint_reductions)
-    if row_loop or (row_loop is None and tokens > UNROLLED_MAX_T):
+               lower_bound=lower_bound, parallel_read=parallel_read)
+    if row_loop or (row_loop is None and (tokens == 1 or tokens > UNROLLED_MAX_T)):
         kernel = functools.partial(_chain_loop_kernel, **cfg)
     else:
         kernel = functools.partial(_chain_kernel, hoist_loads=hoist_loads, **cfg)

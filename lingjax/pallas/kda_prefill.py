@@ -251,8 +251,8 @@ def _call(kernel, grid, out_shape, *args, num_warps, num_stages, interpret, name
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "prepare_block_k", "blocks_warps", "num_warps",
                                              "num_stages", "precision", "interpret"))
-def intra_chunk(q, k, v, g, beta, *, chunk: int = 64, block_k: int = 32, prepare_block_k: int = 64,
-                blocks_warps: int = 2, num_warps: int = 4, num_stages: int = 2, precision: str | None = None,
+def intra_chunk(q, k, v, g, beta, *, chunk: int = 64, block_k: int = 16, prepare_block_k: int = 64,
+                blocks_warps: int = 1, num_warps: int = 4, num_stages: int = 2, precision: str | None = None,
                 interpret=None):
     """Phases 1a and 1b on inputs padded to a multiple of `chunk`: (W, Q' [H, T, K]; U [H, T, V]; O'
     [H, T, V] f32; KDᵀ [H, K, T]; γ [H, T/C, K] f32), W, Q', U, KDᵀ in the precision's operand dtype.
@@ -279,8 +279,8 @@ def intra_chunk(q, k, v, g, beta, *, chunk: int = 64, block_k: int = 32, prepare
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "prepare_block_k", "state_block_k", "block_v",
                                              "fuse_output", "blocks_warps", "num_warps", "num_stages", "precision",
                                              "interpret"))
-def kda_chunked_prefill(q, k, v, g, beta, state, chunk: int = 64, *, block_k: int = 32, prepare_block_k: int = 64,
-                        state_block_k: int = 64, block_v: int = 32, fuse_output: bool = True, blocks_warps: int = 2,
+def kda_chunked_prefill(q, k, v, g, beta, state, chunk: int = 64, *, block_k: int = 16, prepare_block_k: int = 64,
+                        state_block_k: int = 64, block_v: int = 32, fuse_output: bool = True, blocks_warps: int = 1,
                         num_warps: int = 4, num_stages: int = 2, precision: str | None = None, interpret=None):
     """Same arguments and results as lingjax.ops.kda.kda_chunked: (o [T, H, V] f32, final state [H, K, V]).
 
@@ -289,7 +289,9 @@ def kda_chunked_prefill(q, k, v, g, beta, state, chunk: int = 64, *, block_k: in
     Tiles: `block_k` / `prepare_block_k`: the column pieces of phases 1a / 1b; `state_block_k` x `block_v`:
     phase 2's state pieces (one program per head and V tile). Warps: `blocks_warps` for phase 1a (its D x D
     dots are replicated across warps by Triton's mma layout, so more warps only split the loads and exps),
-    `num_warps` for the rest; `num_stages` for all. Padding rows (g = 0, beta = 0) leave the state as is,
+    `num_warps` for the rest; `num_stages` for all. block_k = 16 with one warp in phase 1a took 8192 tokens
+    in 1392 µs where block_k = 32 with two took 1805, in one process on the H200
+    (bench/results/kda_h200x2_2026-11-30_run2.md). Padding rows (g = 0, beta = 0) leave the state as is,
     so T is padded up to a multiple of C here. Phase 2 at the defaults takes 144 KiB of shared memory with
     f32 operands (sm_90, Triton 3.9; num_stages=3 would exceed the H200's).
     """

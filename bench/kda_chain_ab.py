@@ -1,0 +1,171 @@
+"""KDA chain-verify kernels A/B in one process: this tree's variants against other trees' kernels.
+
+  python bench/kda_chain_ab.py [--tree old=/path/to/other/checkout ...] [--ts 1,4,6,16] [--rounds 3]
+                               [--block-v 16,32] [--warps 4] [--fla-json fla.jsonl] [--out ab.json]
+
+Why: the same kernel's time moved ~15% between processes on the H200 (T = 6: 11.7-14.1 µs), more than the
+differences being decided. Here every variant is compiled in one process and timed in `rounds`
+interleaved rounds (each round times every variant once, in kda_bench's way: R = 64 rotating cold
+input sets in one jitted loop, median of 15 runs); a variant's figure is the median over rounds.
+Another tree's kernel (its lingjax/pallas/kda_chain.py) runs with its own defaults. Before timing, each
+variant is checked against lingjax.ops.kda.kda_chain (max rel. error, printed), and pairs that must round
+alike are compared bit for bit: this tree's row loop against its unrolled kernel at each BV and warp
+count, and each other tree's default against this tree's unrolled kernel at BV16 w4 (when timed). Prints
+a table last: µs per call, with fla's fused_recurrent_kda in both its forms where --fla-json
+(kda_bench.py --fla-child with KDA_BENCH_TS set to the same widths) is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kda_bench  # noqa: E402  (bench/, beside this script: its import of the kernels without the model runtime)
+
+H, D, W, R = kda_bench.H, kda_bench.D, kda_bench.W, kda_bench.R
+P = H * D
+
+
+def load_tree_kernel(label: str, root: str):
+    """kda_chain_verify from root/lingjax/pallas/kda_chain.py, as module kda_chain_<label>."""
+    path = os.path.join(root, "lingjax", "pallas", "kda_chain.py")
+    spec = importlib.util.spec_from_file_location(f"kda_chain_{label}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.kda_chain_verify
+
+
+def variants_here(block_vs, warps):
+    """(label, kda_chain_verify options, the T it runs at or None for all, bit-identity partner label)."""
+    out = [("default", {}, None, None)]
+    for bv in block_vs:
+        for w in warps:
+            tag, base = f"BV{bv} w{w}", dict(block_v=bv, num_warps=w)
+            out.append((f"unrolled {tag}", dict(base, row_loop=False), lambda t: t <= 8, None))
+            out.append((f"row loop {tag}", dict(base, row_loop=True), None, f"unrolled {tag}"))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree", action="append", default=[], help="label=path of another checkout (repeatable)")
+    ap.add_argument("--ts", default="1,4,6,16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--block-v", default="16,32", help="BV of this tree's unrolled and row-loop variants")
+    ap.add_argument("--warps", default="4", help="num_warps of those variants")
+    ap.add_argument("--fla-json", default=None)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kda_chain_ab.json"))
+    a = ap.parse_args()
+    ts = [int(t) for t in a.ts.split(",")]
+    variants = variants_here([int(x) for x in a.block_v.split(",")], [int(x) for x in a.warps.split(",")])
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    kda_bench._import_kernels_only()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from measure import median_seconds, rel
+    from lingjax.ops import kda
+    from lingjax.pallas.kda_chain import kda_chain_verify
+
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    kw = jax.random.split(jax.random.key(1), 3)
+    conv_w = 0.5 * jax.random.normal(kw[0], (3 * P, W), f32)
+    a_log = jnp.log(jax.random.uniform(kw[1], (H,), minval=1, maxval=16))
+    dt_bias = jax.random.normal(kw[2], (P,), f32)
+    cfg = dict(num_heads=H, safe_gate=True, lower_bound=-5.0)
+
+    def inputs(t):  # R rotating sets of (proj [t, 5P], b [t, H], window, state), as distinct buffers
+        ks = jax.random.split(jax.random.key(100 + t), 4)
+        xs = (jax.random.normal(ks[0], (R, t, 5 * P), bf16), jax.random.normal(ks[1], (R, t, H), bf16),
+              jax.random.normal(ks[2], (R, W - 1, 3 * P), bf16), jax.random.normal(ks[3], (R, H, D, D), f32))
+        return tuple([x[r] for r in range(R)] for x in xs)
+
+    def args_of(xs, r, al=None):
+        return (xs[0][r], xs[1][r], xs[2][r], conv_w, a_log if al is None else al, dt_bias, xs[3][r])
+
+    def timed_loop(fn, iters=8):
+        @jax.jit
+        def run(xs):
+            def body(i, carry):
+                al = a_log + i.astype(f32) * 0.0  # keeps the calls inside the loop
+                return tuple(fn(*args_of(xs, r, al)) for r in range(R))
+            shapes = jax.eval_shape(lambda: fn(*args_of(xs, 0)))
+            init = tuple(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes) for _ in range(R))
+            return lax.fori_loop(0, iters, body, init)
+        return lambda xs: median_seconds(run, xs, reps=15) * 1e6 / (iters * R)
+
+    runs = {}  # (label, t) -> (fn, timer)
+    for label, opts, at, _ in variants:
+        for t in ts:
+            if at is None or at(t):
+                runs[label, t] = lambda *x, t=t, opts=opts: kda_chain_verify(*x, tokens=t, **cfg, **opts)
+    for spec in a.tree:
+        name, root = spec.split("=", 1)
+        other = load_tree_kernel(name, root)
+        for t in ts:
+            runs[f"{name} tree default", t] = lambda *x, t=t, k=other: k(*x, tokens=t, **cfg)
+
+    xs_t = {t: inputs(t) for t in ts}
+    with jax.default_matmul_precision("highest"):
+        refs = {t: jax.jit(lambda *x, t=t: kda.kda_chain(*x, tokens=t, **cfg))(*args_of(xs_t[t], 0)) for t in ts}
+    outs, res = {}, {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "errors": {}, "bitwise": {},
+                     "us": {}}
+    for (label, t), fn in runs.items():
+        o = jax.device_get(fn(*args_of(xs_t[t], 0)))
+        outs[label, t] = o
+        err = max(rel(o[0], refs[t][0]), rel(o[1], refs[t][1]))
+        res["errors"][f"{label} T={t}"] = err
+        print(f"check {label} T={t}: max rel err {err:.1e}{'' if err < 1e-5 else '  FAIL'}", flush=True)
+    pairs = [(label, partner) for label, _, _, partner in variants if partner]
+    pairs += [(f"{spec.split('=')[0]} tree default", "unrolled BV16 w4") for spec in a.tree]
+    for x, y in pairs:
+        for t in ts:
+            if (x, t) in outs and (y, t) in outs:
+                same = all(np.array_equal(p, q) for p, q in zip(outs[x, t], outs[y, t]))
+                res["bitwise"][f"{x} | {y} T={t}"] = same
+                print(f"bitwise {x} | {y} T={t}: {'identical' if same else 'DIFFER'}", flush=True)
+
+    timers = {key: timed_loop(fn) for key, fn in runs.items()}
+    per_round = {key: [] for key in runs}
+    for rnd in range(a.rounds):
+        for key, timer in timers.items():
+            per_round[key].append(timer(xs_t[key[1]]))
+        print(f"round {rnd + 1}/{a.rounds} done", flush=True)
+    for (label, t), us in per_round.items():
+        res["us"][f"{label} T={t}"] = us
+
+    fla = {}
+    if a.fla_json:
+        for line in open(a.fla_json):
+            fla.update(json.loads(line))
+    labels = list(dict.fromkeys(label for label, _ in runs))
+    head = "| variant | " + " | ".join(f"T={t} µs" for t in ts) + " |"
+    lines = [f"{res['device']}, jax {res['jax']}: median over {a.rounds} interleaved rounds (spread min-max)", "",
+             head, "|---" * (len(ts) + 1) + "|"]
+    for label in labels:
+        cells = []
+        for t in ts:
+            us = per_round.get((label, t))
+            cells.append(f"{statistics.median(us):.2f} ({min(us):.2f}-{max(us):.2f})" if us else "—")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for key, label in (("fused_recurrent", "fla fused_recurrent_kda (stages nothing)"),
+                       ("fused_recurrent_in_kernel", "fla, l2norm + gate + beta sigmoid in its kernel")):
+        if fla:
+            cells = [f"{fla[f'{key}_T{t}']:.2f}" if isinstance(fla.get(f"{key}_T{t}"), float) else "—" for t in ts]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    print("\n".join(lines), flush=True)
+    res["table"] = "\n".join(lines)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
