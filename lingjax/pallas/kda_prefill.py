@@ -290,8 +290,8 @@ def kda_chunked_prefill(q, k, v, g, beta, state, chunk: int = 64, *, block_k: in
     phase 2's state pieces (one program per head and V tile). Warps: `blocks_warps` for phase 1a (its D x D
     dots are replicated across warps by Triton's mma layout, so more warps only split the loads and exps),
     `num_warps` for the rest; `num_stages` for all. block_k = 16 with one warp in phase 1a took 8192 tokens
-    in 1392 µs where block_k = 32 with two took 1805, in one process on the H200
-    (bench/results/kda_h200x2_2026-11-30_run2.md). Padding rows (g = 0, beta = 0) leave the state as is,
+    in 1392 and 1337 µs where block_k = 32 with two took 1805 and 1734, each pair in one process on the
+    H200 (bench/results/kda_h200x2_2026-11-30_run2.md). Padding rows (g = 0, beta = 0) leave the state as is,
     so T is padded up to a multiple of C here. Phase 2 at the defaults takes 144 KiB of shared memory with
     f32 operands (sm_90, Triton 3.9; num_stages=3 would exceed the H200's).
     """
