@@ -13,7 +13,10 @@ batches; random weights, so the MTP drafts fail and every round commits one toke
 --rounds-per-call R runs R rounds (or decode steps) in each device call (a lax.scan) and reports per-round
 figures. Printed with
 - kernels: the step program's launches counted in its optimised HLO (fusions, custom calls, library
-  calls, collectives and copies outside fusions; a loop body counts once, so a lower bound);
+  calls, collectives and copies outside fusion bodies; a loop body counts once, so a lower bound), with
+  how many of them XLA's rematerialization duplicated ("(M remat)"). Until 2026-11-30 the count missed
+  tuple-shaped launches (multi-output fusions, kda_chain_verify, the router's select, moe_align) and
+  counted a GEMM fusion's inner dot when its body was not named like a fused computation;
 - bytes: what one device must read in the step: lm_head, attention and dense weights, router,
   shared expert, the distinct routed experts the routers actually chose (captured from the model),
   KDA state traffic, MLA latent cache, MTP draft weights; split weights count 1/tp, replicated
@@ -51,20 +54,39 @@ from lingjax.sampling import SamplingParams
 from measure import read_bandwidth  # bench/measure.py, beside this script
 from report import Report  # bench/report.py, beside this script
 
-LAUNCH = re.compile(r"=\s*\S+\s+(fusion|custom-call|cublas\S*|all-reduce\S*|all-gather\S*|copy|dot|convolution|"
-                    r"gather|scatter|sort|dynamic-update-slice|reduce)\(")
+# an instruction's result shape is one token or a tuple "(s1, s2, ...)": multi-output fusions and custom
+# calls (kda_chain_verify, the router's select, moe_align) have tuple shapes
+LAUNCH = re.compile(r"=\s*(?:\([^=]*?\)|\S+)\s+(?P<op>fusion|custom-call|cublas\S*|all-reduce\S*|all-gather\S*|"
+                    r"copy|dot|convolution|gather|scatter|sort|dynamic-update-slice|reduce)\(")
+FUSION_BODY = re.compile(r"\sfusion\(.*?calls=(%[\w.\-]+)")
+
+
+def launch_lines(compiled_text: str) -> list[str]:
+    """The launch-like instructions of an optimised HLO module: those of every computation that is not a
+    fusion's body (ENTRY, loop and branch bodies, command buffers), a loop body counted once. Fusion
+    bodies are found by the fusions' `calls=`, not by name: a GEMM fusion's body is named
+    %gemm_fusion_dot.N_computation, and its dot is the fusion's, not a launch of its own."""
+    bodies = set(FUSION_BODY.findall(compiled_text))
+    out, inside = [], False
+    for line in compiled_text.splitlines():
+        if line and not line.startswith(" "):
+            inside = line.split(" ")[0] in bodies
+        elif not inside and LAUNCH.search(line):
+            out.append(line)
+    return out
 
 
 def count_kernels(compiled_text: str) -> int:
-    """Launch-like instructions outside fused computations (ENTRY and loop/branch bodies)."""
-    count, fused = 0, False
-    for line in compiled_text.splitlines():
-        if line and not line.startswith(" "):
-            fused = line.startswith("%fused") or "fused_computation" in line.split("(")[0] or \
-                line.lstrip("%").startswith(("region", "wrapped")) and "fusion" in line
-        elif not fused and LAUNCH.search(line):
-            count += 1
-    return count
+    return len(launch_lines(compiled_text))
+
+
+def launch_summary(compiled_text: str) -> str:
+    """"N" launches, or "N (M remat)" when XLA's rematerialization duplicated M of them (named *.remat): it
+    does so when the program's arguments exceed 80% of the device's memory, as Flash's weights at TP2 do in
+    a deviceless compile (bench/results/aot_census_2026-11-30.md)."""
+    lines = launch_lines(compiled_text)
+    remat = sum(".remat" in line.split("=")[0] for line in lines)
+    return f"{len(lines)} ({remat} remat)" if remat else str(len(lines))
 
 
 def _layer_bytes(cfg, attn, mlp, distinct, width, ctx, item, tp) -> float:
@@ -184,7 +206,7 @@ def time_program(what: str, per_call: int, n: int, prepare, call, lower):
     calls = max(1, n // per_call)
     t_call, h_call = compile_then_time(what, lambda k: prepared_calls(prepare, call, k)(), calls)
     hlo = lower(prepare(calls))
-    return (t_call / per_call, h_call / per_call, count_kernels(hlo), hlo,
+    return (t_call / per_call, h_call / per_call, launch_summary(hlo), hlo,
             lambda k: prepared_calls(prepare, call, k), t_call)
 
 

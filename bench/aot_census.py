@@ -1,0 +1,190 @@
+"""The step programs compiled for an H200 on a machine without a GPU (deviceless AOT): launches counted.
+
+  JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python bench/aot_census.py --model flash --tp 2 [--steps 3]
+      [--rounds-per-call 4] [--kernels pallas] [--hlo-out DIR]
+  python bench/aot_census.py --from-hlo FILE...     (the census of saved optimised HLO; no plugin needed)
+
+Needs jax's CUDA 13 plugin, in an environment of its own (`pip install "jax[cuda13]==0.11.2"
+flax==0.12.10 safetensors`, ~4.6 GB), and no GPU: XLA's GPU compiler and Triton compile the programs for
+the target description below (sm_90, 132 SMs), and the plugin's CUDA version checks, which need a
+driver, are skipped by the environment variable.
+
+Why: every kernel of a step costs ~2-3 µs of latency on the H200 even inside a CUDA graph, so launches
+per step are the lever the step benchmark points at, and device time is scarce. This compiles what
+step_bench times (the T=1 decode and the speculative round, with the GPU compiler options of
+lingjax.runtime.step_jit and the Pallas kernels lowered through Triton) and counts launches the way
+step_bench does. It also lists the launches of the ENTRY computation and loop bodies by kind. The weights
+are abstract (shapes only), so Flash at any TP compiles on a laptop.
+
+How it makes lingjax take its GPU paths: it reports the default backend as "gpu" to lingjax (Pallas
+not interpreted, step_jit's compiler options, kernels="auto" -> pallas), hands the topology's devices
+to lingjax.sharding, and lowers under an abstract mesh naming the H200 (Pallas reads the target from it).
+Not the same as the device: no autotuning, so GEMM tile configs may differ from a real compile; which
+ops fuse into which kernels is the compiler's own decision. bench/results/aot_census_2026-11-30.md
+has Flash's counts at TP2 and TP4; a comparison with a device compile under the same rule is pending.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")  # never touch a local GPU: this is the deviceless path
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the lingjax of this tree
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_bench import LAUNCH, launch_lines, launch_summary  # noqa: E402  (bench/step_bench.py: the same count)
+
+H200 = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 150000000000 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 13 }
+runtime_version { major: 13 minor: 0 }
+device_description_str: "NVIDIA H200"
+"""
+
+
+def target_devices(n: int):
+    """n H200s of one host, described, not present."""
+    topo = topologies.get_topology_desc(platform="cuda", target_config=H200, topology=f"1x1x{n}")
+    return topo.devices
+
+
+def abstract_mesh(n: int, axis: str):
+    from jax._src.mesh import AbstractDevice, AbstractMesh  # Pallas' Triton lowering reads the GPU from it
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    return AbstractMesh((n,), (axis,), axis_types=(AxisType.Auto,), abstract_device=device)
+
+
+def launches(compiled_text: str):
+    """The launches count_kernels counts, each as (kind, scope): kind is the fusion kind, the Pallas
+    kernel's name or the op; scope is the model's named scope ("kda_proj", "moe", ...; "" outside the
+    layers) from the launch's op_name, with its layer as "layerN_kind"."""
+    out = []
+    for line in launch_lines(compiled_text):
+        m = LAUNCH.search(line)
+        op, name = m.group("op"), re.search(r'op_name="([^"]*)"', line)
+        name = name.group(1) if name else ""
+        if op == "fusion":
+            kind = re.search(r"kind=(\w+)", line)
+            op = f"fusion {kind.group(1) if kind else '?'}"
+        elif op == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            target = target.group(1) if target else "?"
+            op = f"pallas {name.split('/')[-2]}" if "triton" in target and "/" in name else f"custom-call {target}"
+        layer = re.search(r"(layer\d+_\w+?)/(\w+)", name)
+        out.append((op, layer.groups() if layer else ("", "")))
+    return out
+
+
+def table(head: str, counts: collections.Counter) -> str:
+    rows = [f"| {k} | {n} |" for k, n in counts.most_common()]
+    return "\n".join([f"| {head} | launches |", "|---|---|", *rows])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="flash")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3, help="NEXTN drafts per round (verify width S+1)")
+    ap.add_argument("--rounds-per-call", type=int, default=4)
+    ap.add_argument("--kernels", default="pallas", choices=("pallas", "xla"))
+    ap.add_argument("--capacity", type=int, default=9216, help="cache positions (the serving bench's 8192 + 1024)")
+    ap.add_argument("--hlo-out", default=None, help="write each program's optimised HLO here")
+    ap.add_argument("--from-hlo", nargs="+", default=None,
+                    help="census of these optimised HLO files instead (--hlo-out's, or step_bench --profile's .gz)")
+    args = ap.parse_args()
+    if args.from_hlo:
+        print_census([(path, (gzip.open(path, "rt") if path.endswith(".gz") else open(path)).read())
+                      for path in args.from_hlo])
+        return
+
+    devices = target_devices(args.tp)
+    jax.default_backend = lambda: "gpu"  # lingjax's GPU paths (module docstring); this process only
+    jax.devices = lambda *a, **k: list(devices)
+    import lingjax.sharding as sharding
+    from lingjax import engine
+    from lingjax.config import preset
+    from lingjax.model import abstract_model
+    from lingjax.runtime import Model
+    from lingjax.sampling import SamplingParams
+    from lingjax.spec.step import SpecState
+
+    sharding.place = lambda tree, specs, mesh: tree  # abstract weights stay abstract
+    cfg = preset(args.model)
+    model = Model(abstract_model(cfg, jnp.bfloat16), args.kernels, source=args.model, tp=args.tp)
+    mesh = model.mesh if model.mesh is not None else jax.sharding.Mesh(np.asarray(devices[:1]), (sharding.AXIS,))
+
+    def typed(tree, specs):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+                            tree, specs)
+
+    rep = P()
+    weights = typed(model.weights, model.weight_specs)
+    cache = typed(jax.eval_shape(lambda: model.new_cache(args.capacity)), model.cache_specs)
+    i32 = typed(jax.ShapeDtypeStruct((), jnp.int32), rep)
+    key = typed(jax.eval_shape(lambda: jax.random.key(0)), rep)
+    sampling = SamplingParams()
+    drafter = engine._make_drafter(model, "nextn", args.steps)
+    draft = jax.eval_shape(lambda: drafter.init(model.module, args.capacity))
+    state = SpecState(cache=cache, draft=typed(draft, jax.tree.map(lambda _: rep, draft)), s=i32, bonus=i32,
+                      round=i32, key=key)
+    _, decode = model.step_programs(sampling, args.rounds_per_call)
+    programs = [(f"decode T=1, {args.rounds_per_call} per call", decode, (weights, cache, i32, i32, key)),
+                (f"spec round S={args.steps}, {args.rounds_per_call} per call",
+                 model.spec_program(drafter, sampling, args.rounds_per_call).round, (weights, state))]
+
+    print(f"# aot_census: {args.model}, tp {args.tp}, kernels {args.kernels}, jax {jax.__version__}, target NVIDIA "
+          f"H200 (deviceless)")
+    texts = []
+    for name, fn, fargs in programs:
+        t0 = time.perf_counter()
+        with jax.sharding.use_abstract_mesh(abstract_mesh(args.tp, sharding.AXIS)):
+            lowered = fn.trace(*fargs).lower(lowering_platforms=("cuda",))
+        text = lowered.compile().as_text()
+        print(f"{name}: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        if args.hlo_out:
+            Path(args.hlo_out).mkdir(parents=True, exist_ok=True)
+            (Path(args.hlo_out) / f"{name.split(',')[0].replace(' ', '_').replace('=', '')}.hlo.txt").write_text(text)
+        texts.append((name, text))
+    print_census(texts)
+
+
+def print_census(texts):
+    """The launch count of each (name, optimised HLO text), then its launches by kind and by scope."""
+    rows = [(name, launch_summary(text), launches(text)) for name, text in texts]
+    print("\n| program | launches (step_bench's count, loop bodies once) |\n|---|---|")
+    for name, n, _ in rows:
+        print(f"| {name} | {n} |")
+    for name, _, found in rows:
+        print(f"\n{name}, by kind:\n\n" + table("kind", collections.Counter(op for op, _ in found)))
+        layers = collections.Counter(layer for _, (layer, _) in found if layer)
+        scopes = collections.Counter(f"{layer.split('_', 1)[1]} / {scope}" for _, (layer, scope) in found if layer)
+        print(f"\n{name}, by scope, summed over {len(layers)} layers ({sum(layers.values())} launches; "
+              f"{sum(1 for _, (layer, _) in found if not layer)} outside the layers):\n\n"
+              + table("layer kind / scope", scopes))
+
+
+if __name__ == "__main__":
+    main()
