@@ -54,7 +54,7 @@ gpu_device_info {
   shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
   block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
   memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
-  device_memory_size: 150000000000 shared_memory_per_block_optin: 232448
+  device_memory_size: {memory} shared_memory_per_block_optin: 232448
   cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
 }
 platform_name: "CUDA"
@@ -64,9 +64,19 @@ device_description_str: "NVIDIA H200"
 """
 
 
-def target_devices(n: int):
-    """n H200s of one host, described, not present."""
-    topo = topologies.get_topology_desc(platform="cuda", target_config=H200, topology=f"1x1x{n}")
+H200_BYTES = 143771 * 2**20  # the H200's memory as nvidia-smi reports it (143771 MiB)
+
+
+def target_devices(n: int, mem_fraction: float):
+    """n H200s of one host, described, not present. XLA's GPU memory limit (for scheduling and
+    rematerialization) starts from the compile options' device memory size: on a device jaxlib passes the
+    allocator's limit (XLA_PYTHON_CLIENT_MEM_FRACTION of the memory); without one XLA takes 80% of the
+    described memory. So the description gets mem_fraction / 0.8 of the memory, and XLA's base equals
+    the device's. Otherwise Flash at TP2 (128 GB of arguments against 80% of 150 GB) would show ~145
+    rematerialized launches that a device compile does not make (bench/results/aot_census_2026-11-30.md)."""
+    memory = int(H200_BYTES * mem_fraction / 0.8)
+    topo = topologies.get_topology_desc(platform="cuda", target_config=H200.replace("{memory}", str(memory)),
+                                        topology=f"1x1x{n}")
     return topo.devices
 
 
@@ -111,6 +121,8 @@ def main():
     ap.add_argument("--rounds-per-call", type=int, default=4)
     ap.add_argument("--kernels", default="pallas", choices=("pallas", "xla"))
     ap.add_argument("--capacity", type=int, default=9216, help="cache positions (the serving bench's 8192 + 1024)")
+    ap.add_argument("--mem-fraction", type=float, default=0.91,
+                    help="XLA_PYTHON_CLIENT_MEM_FRACTION of the run being modelled (README: 0.91 at Flash TP2)")
     ap.add_argument("--hlo-out", default=None, help="write each program's optimised HLO here")
     ap.add_argument("--from-hlo", nargs="+", default=None,
                     help="census of these optimised HLO files instead (--hlo-out's, or step_bench --profile's .gz)")
@@ -120,7 +132,7 @@ def main():
                       for path in args.from_hlo])
         return
 
-    devices = target_devices(args.tp)
+    devices = target_devices(args.tp, args.mem_fraction)
     jax.default_backend = lambda: "gpu"  # lingjax's GPU paths (module docstring); this process only
     jax.devices = lambda *a, **k: list(devices)
     import lingjax.sharding as sharding

@@ -81,9 +81,9 @@ def count_kernels(compiled_text: str) -> int:
 
 
 def launch_summary(compiled_text: str) -> str:
-    """"N" launches, or "N (M remat)" when XLA's rematerialization duplicated M of them (named *.remat): it
-    does so when the program's arguments exceed 80% of the device's memory, as Flash's weights at TP2 do in
-    a deviceless compile (bench/results/aot_census_2026-11-30.md)."""
+    """"N" launches, or "N (M remat)" when XLA's rematerialization duplicated M of them (named *.remat) to
+    fit its memory limit: the device memory it is given less the program's arguments. Flash's weights at
+    TP2 nearly fill that limit (bench/results/aot_census_2026-11-30.md)."""
     lines = launch_lines(compiled_text)
     remat = sum(".remat" in line.split("=")[0] for line in lines)
     return f"{len(lines)} ({remat} remat)" if remat else str(len(lines))
