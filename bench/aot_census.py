@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the lingjax of this tree
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_bench import LAUNCH, launch_lines, launch_summary  # noqa: E402  (bench/step_bench.py: the same count)
+from step_bench import LAUNCH, launch_lines, launch_summary, xla_option  # noqa: E402  (bench/step_bench.py)
 
 H200 = """
 gpu_device_info {
@@ -124,6 +124,8 @@ def main():
     ap.add_argument("--mem-fraction", type=float, default=0.91,
                     help="XLA_PYTHON_CLIENT_MEM_FRACTION of the run being modelled (README: 0.91 at Flash TP2)")
     ap.add_argument("--hlo-out", default=None, help="write each program's optimised HLO here")
+    ap.add_argument("--xla-option", type=xla_option, action="append", default=[], metavar="xla_NAME=VALUE",
+                    help="XLA debug options for the step programs, as step_bench --xla-option")
     ap.add_argument("--from-hlo", nargs="+", default=None,
                     help="census of these optimised HLO files instead (--hlo-out's, or step_bench --profile's .gz)")
     args = ap.parse_args()
@@ -145,7 +147,8 @@ def main():
 
     sharding.place = lambda tree, specs, mesh: tree  # abstract weights stay abstract
     cfg = preset(args.model)
-    model = Model(abstract_model(cfg, jnp.bfloat16), args.kernels, source=args.model, tp=args.tp)
+    model = Model(abstract_model(cfg, jnp.bfloat16), args.kernels, source=args.model, tp=args.tp,
+                  xla_options=tuple(args.xla_option))
     mesh = model.mesh if model.mesh is not None else jax.sharding.Mesh(np.asarray(devices[:1]), (sharding.AXIS,))
 
     def typed(tree, specs):
@@ -167,8 +170,9 @@ def main():
                 (f"spec round S={args.steps}, {args.rounds_per_call} per call",
                  model.spec_program(drafter, sampling, args.rounds_per_call).round, (weights, state))]
 
-    print(f"# aot_census: {args.model}, tp {args.tp}, kernels {args.kernels}, jax {jax.__version__}, target NVIDIA "
-          f"H200 (deviceless)")
+    options = "".join(f", {name}={value}" for name, value in args.xla_option)
+    print(f"# aot_census: {args.model}, tp {args.tp}, kernels {args.kernels}{options}, jax {jax.__version__}, "
+          f"target NVIDIA H200 (deviceless, memory limit as at XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction})")
     texts = []
     for name, fn, fargs in programs:
         t0 = time.perf_counter()

@@ -177,7 +177,23 @@ def compile_then_time(what: str, fn, n: int) -> tuple[float, float]:
 
 def variant_name(model) -> str:
     xla_ops = f" (xla: {','.join(model.ex.xla_ops)})" if model.ex.xla_ops else ""
-    return model.kernels + xla_ops + ("+graph-ar" if model.collectives_in_graphs else "")
+    options = "".join(f" {name}={value}" for name, value in model.xla_options)
+    return model.kernels + xla_ops + ("+graph-ar" if model.collectives_in_graphs else "") + options
+
+
+def xla_option(text: str) -> tuple[str, object]:
+    """NAME=VALUE from the command line: VALUE as int, float, true/false, or as the string given."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("xla_"):
+        raise argparse.ArgumentTypeError(f"expected xla_NAME=VALUE, got {text!r}")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return name, kind(value)
+        except ValueError:
+            pass
+    return name, value
 
 
 def progress(text: str) -> None:
@@ -294,6 +310,9 @@ def main():
     ap.add_argument("--xla-ops", nargs="*", default=[],
                     help="also time each pallas variant with these ops (lingjax.kernels.OPS) on their XLA "
                          "reference, in the same process: an A/B of single kernels inside the step")
+    ap.add_argument("--xla-option", type=xla_option, action="append", default=[], metavar="xla_NAME=VALUE",
+                    help="also time each pallas variant with these XLA debug options in its step programs, in "
+                         "the same process (e.g. xla_gpu_experimental_force_split_k=1; repeatable: all at once)")
     ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--n", type=int, default=32, help="steps per timed batch")
@@ -331,13 +350,16 @@ def main():
         bytes_decode = weight_bytes(base, distinct_1, 1, 0, ctx, tp)
         # round = S-1 MTP draft forwards + verify (width S+1) + draft-extend (one MTP forward)
         bytes_round = weight_bytes(base, distinct_w, width, args.steps, ctx, tp)
-        variants = [(k, g, ()) for k in args.kernels for g in args.graphs]
-        variants += [(k, g, tuple(args.xla_ops)) for k, g, _ in variants if args.xla_ops and k == "pallas"]
-        for kernels, graphs, xla_ops in variants:
+        base_variants = [(k, g) for k in args.kernels for g in args.graphs]  # (kernels, graphs, xla_ops, options)
+        variants = [(k, g, (), ()) for k, g in base_variants]
+        variants += [(k, g, tuple(args.xla_ops), ()) for k, g in base_variants if args.xla_ops and k == "pallas"]
+        variants += [(k, g, (), tuple(args.xla_option)) for k, g in base_variants if args.xla_option and k == "pallas"]
+        for kernels, graphs, xla_ops, options in variants:
             if graphs == "whole" and tp == 1:
                 continue  # no collectives: the same program as split
             model = lingjax.Model(base.module, kernels=kernels, source=args.model, tp=tp, xla_ops=xla_ops,
-                                  router_precision=args.router_precision, collectives_in_graphs=graphs == "whole")
+                                  router_precision=args.router_precision, collectives_in_graphs=graphs == "whole",
+                                  xla_options=options)
             measured, census = bench_kernels(model, args, prompt, say)
             for kind, name, t, host, k in measured:
                 b = bytes_decode if kind == "decode" else bytes_round

@@ -33,7 +33,7 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
 
 
-def step_jit(fun, collectives_in_graphs: bool = False, **kwargs):
+def step_jit(fun, collectives_in_graphs: bool = False, xla_options: tuple[tuple[str, object], ...] = (), **kwargs):
     """jax.jit for a hot step program. On GPU the whole step goes into XLA command buffers (CUDA
     graphs), loops and conditionals included: measured on the H200 (bench/results/
     spec_overlap_h200_2026-11-29.md) this cut the host's dispatch of a speculative round from 3.2-4.3
@@ -48,12 +48,15 @@ def step_jit(fun, collectives_in_graphs: bool = False, **kwargs):
     into one GEMM by copying the five weight matrices into a new buffer every step (26 MB a layer,
     0.6 ms of a TP4 round), which at batch 1 costs far more than the launches it saves. Those five
     are now one stacked weight (KDAAttention.in_proj); the flag keeps XLA from doing the same to
-    other projections of one input (MLA's q/kv_a/g). Elsewhere plain jax.jit."""
+    other projections of one input (MLA's q/kv_a/g). xla_options: more XLA debug options for these
+    programs, (name, value) pairs, e.g. ("xla_gpu_experimental_force_split_k", 1), to A/B a compiler
+    choice in one process (bench/step_bench.py --xla-option). Elsewhere plain jax.jit."""
     if jax.default_backend() == "gpu":
         kwargs["compiler_options"] = {
             "xla_gpu_enable_command_buffer": COMMAND_BUFFERS + (",COLLECTIVES" if collectives_in_graphs else ""),
             "xla_gpu_graph_min_graph_size": 1,
             "xla_gpu_dot_merger_threshold_mb": 0,
+            **dict(xla_options),
         }
     return jax.jit(fun, **kwargs)
 
@@ -79,12 +82,15 @@ class Model:
     the jitted entry points the engine uses. With tp > 1 the parameters are sharded over a mesh of
     tp devices (lingjax/sharding.py) and every program body runs inside shard_map.
     xla_ops: names of lingjax.kernels.OPS that run their XLA reference under any kernel set, to A/B one
-    kernel inside the whole step (bench/step_bench.py --xla-ops)."""
+    kernel inside the whole step (bench/step_bench.py --xla-ops). xla_options: extra XLA debug options
+    of the step programs (step_jit)."""
 
     def __init__(self, module: LingModel, kernels: str = "auto", source: str = "", tp: int = 1,
-                 router_precision: str = "f32", collectives_in_graphs: bool = False, xla_ops: tuple[str, ...] = ()):
+                 router_precision: str = "f32", collectives_in_graphs: bool = False, xla_ops: tuple[str, ...] = (),
+                 xla_options: tuple[tuple[str, object], ...] = ()):
         self.module = module
         self.collectives_in_graphs = collectives_in_graphs  # see step_jit
+        self.xla_options = tuple(xla_options)  # see step_jit
         self.cfg: LingConfig = module.cfg
         self.kernels = kernel_sets.resolve(kernels)  # "auto" -> this backend's set
         self.source = source
@@ -117,7 +123,7 @@ class Model:
         return jax.tree.unflatten(self._param_treedef, self.weights)
 
     def step_jit(self, fun, **kwargs):
-        return step_jit(fun, self.collectives_in_graphs, **kwargs)
+        return step_jit(fun, self.collectives_in_graphs, self.xla_options, **kwargs)
 
     def sharded(self, fun, in_specs, out_specs):
         """fun itself without TP; under TP, fun running on each device's shards (shard_map)."""
