@@ -88,7 +88,7 @@ def abstract_mesh(n: int, axis: str):
 
 
 def launches(compiled_text: str):
-    """The launches count_kernels counts, each as (kind, scope): kind is the fusion kind, the Pallas
+    """The launches launch_lines finds, each as (kind, scope): kind is the fusion kind, the Pallas
     kernel's name or the op; scope is the model's named scope ("kda_proj", "moe", ...; "" outside the
     layers) from the launch's op_name, with its layer as "layerN_kind"."""
     out = []

@@ -144,6 +144,49 @@ def _import_kernels_only():
         sys.modules["lingjax"] = pkg
 
 
+def chain_harness():
+    """The chain-verify inputs and in-graph timing loop shared with bench/kda_chain_ab.py: the layer's fixed
+    weights (conv_w, a_log, dt_bias), the gate config, R rotating input sets per T, the kernel's positional
+    arguments, and the timing loop. Import jax after _import_kernels_only()."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    kw = jax.random.split(jax.random.key(1), 3)
+    conv_w = 0.5 * jax.random.normal(kw[0], (3 * P, W), f32)
+    a_log = jnp.log(jax.random.uniform(kw[1], (H,), minval=1, maxval=16))
+    dt_bias = jax.random.normal(kw[2], (P,), f32)
+
+    def inputs(t):
+        """R sets of (proj [t, 5P] (the in_proj output: q|k|v|f read, g not), b [t, H], window, state), each
+        a list of R distinct buffers: a slice of one stacked array would be copied."""
+        ks = jax.random.split(jax.random.key(100 + t), 4)
+        xs = (jax.random.normal(ks[0], (R, t, 5 * P), bf16), jax.random.normal(ks[1], (R, t, H), bf16),
+              jax.random.normal(ks[2], (R, W - 1, 3 * P), bf16), jax.random.normal(ks[3], (R, H, D, D), f32))
+        return tuple([a[r] for r in range(R)] for a in xs)
+
+    def args(xs, r, al=None):  # kda_chain_verify's positional arguments from rotation set r
+        return (xs[0][r], xs[1][r], xs[2][r], conv_w, a_log if al is None else al, dt_bias, xs[3][r])
+
+    def loop(fn, iters):
+        """In-graph: per iteration, fn on each of the R rotating input sets (distinct buffers)."""
+        @jax.jit
+        def run(xs):
+            def body(i, carry):
+                al = a_log + i.astype(f32) * 0.0  # keeps the calls inside the loop
+                return tuple(fn(*args(xs, r, al)) for r in range(R))
+            shapes = jax.eval_shape(lambda: fn(*args(xs, 0)))
+            init = tuple(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes) for _ in range(R))
+            return lax.fori_loop(0, iters, body, init)
+        return run
+
+    return types.SimpleNamespace(conv_w=conv_w, a_log=a_log, dt_bias=dt_bias, inputs=inputs, args=args, loop=loop,
+                                 cfg=dict(num_heads=H, safe_gate=True, lower_bound=-5.0))
+
+
 def jax_main(out_path):
     start = time.perf_counter()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -176,38 +219,12 @@ def jax_main(out_path):
     results["bandwidth_GBps"] = bw / 1e9
     print(f"bf16 copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
 
-    def chain_inputs(key, t):  # proj [t, 5P] (the in_proj output: q|k|v|f read, g not), b, window, state
-        ks = jax.random.split(key, 4)
-        return (jax.random.normal(ks[0], (R, t, 5 * P), bf16), jax.random.normal(ks[1], (R, t, H), bf16),
-                jax.random.normal(ks[2], (R, W - 1, 3 * P), bf16), jax.random.normal(ks[3], (R, H, D, D), f32))
-
-    kw = jax.random.split(jax.random.key(1), 3)
-    conv_w = 0.5 * jax.random.normal(kw[0], (3 * P, W), f32)
-    a_log = jnp.log(jax.random.uniform(kw[1], (H,), minval=1, maxval=16))
-    dt_bias = jax.random.normal(kw[2], (P,), f32)
-    cfg = dict(num_heads=H, safe_gate=True, lower_bound=-5.0)
+    harness = chain_harness()
+    cfg, chain_args, chain_loop = harness.cfg, harness.args, harness.loop
 
     def chain_floor(t):
         return (H * D * D * 4 * (1 + t) + t * H * D * 4 + t * 5 * P * 2 + t * H * 2 + (W - 1) * 3 * P * 2
                 + 3 * P * W * 4 + P * 4 + H * 4) / bw * 1e6
-
-    def chain_loop(fn, iters):
-        """In-graph: per iteration, fn on each of the R rotating input sets (distinct buffers)."""
-        @jax.jit
-        def run(xs):
-            def body(i, carry):
-                al = a_log + i.astype(f32) * 0.0  # keeps the calls inside the loop
-                return tuple(fn(*(a[r] for a in xs[:3]), conv_w, al, dt_bias, xs[3][r]) for r in range(R))
-            shapes = jax.eval_shape(lambda: fn(*(a[0] for a in xs[:3]), conv_w, a_log, dt_bias, xs[3][0]))
-            init = tuple(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes) for _ in range(R))
-            return lax.fori_loop(0, iters, body, init)
-        return run
-
-    def split(xs):  # rotate over distinct buffers, not slices of one (a slice would be copied)
-        return tuple([a[r] for r in range(R)] for a in xs)
-
-    def chain_args(xs, r):  # kda_chain_verify's positional arguments from rotation set r
-        return (*(a[r] for a in xs[:3]), conv_w, a_log, dt_bias, xs[3][r])
 
     def add_row(name, us, floor_us, **extra):
         row = dict(name=name, us=us, floor_us=floor_us, ratio=us / floor_us, **extra)
@@ -226,7 +243,7 @@ def jax_main(out_path):
         longest[0] = max(longest[0], time.perf_counter() - t0)
 
     # ---- chain-verify: variants checked against the reference, then timed; most promising first
-    xs_t = {t: split(chain_inputs(jax.random.key(100 + t), t)) for t in TS}
+    xs_t = {t: harness.inputs(t) for t in TS}
     with jax.default_matmul_precision("highest"):
         refs = {t: jax.jit(functools.partial(kda.kda_chain, tokens=t, **cfg))(*chain_args(xs_t[t], 0)) for t in TS}
     chain = {}  # (variant label, T) -> row

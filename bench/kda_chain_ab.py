@@ -25,10 +25,9 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kda_bench  # noqa: E402  (bench/, beside this script: its import of the kernels without the model runtime)
+import kda_bench  # noqa: E402  (bench/, beside this script: its kernel import and chain harness)
 
-H, D, W, R = kda_bench.H, kda_bench.D, kda_bench.W, kda_bench.R
-P = H * D
+R = kda_bench.R
 
 
 def load_tree_kernel(label: str, root: str):
@@ -67,42 +66,20 @@ def main():
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     kda_bench._import_kernels_only()
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    from jax import lax
 
     from measure import median_seconds, rel
     from lingjax.ops import kda
     from lingjax.pallas.kda_chain import kda_chain_verify
 
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    kw = jax.random.split(jax.random.key(1), 3)
-    conv_w = 0.5 * jax.random.normal(kw[0], (3 * P, W), f32)
-    a_log = jnp.log(jax.random.uniform(kw[1], (H,), minval=1, maxval=16))
-    dt_bias = jax.random.normal(kw[2], (P,), f32)
-    cfg = dict(num_heads=H, safe_gate=True, lower_bound=-5.0)
+    harness = kda_bench.chain_harness()  # kda_bench's weights, rotating inputs and in-graph loop
+    cfg, args_of = harness.cfg, harness.args
 
-    def inputs(t):  # R rotating sets of (proj [t, 5P], b [t, H], window, state), as distinct buffers
-        ks = jax.random.split(jax.random.key(100 + t), 4)
-        xs = (jax.random.normal(ks[0], (R, t, 5 * P), bf16), jax.random.normal(ks[1], (R, t, H), bf16),
-              jax.random.normal(ks[2], (R, W - 1, 3 * P), bf16), jax.random.normal(ks[3], (R, H, D, D), f32))
-        return tuple([x[r] for r in range(R)] for x in xs)
-
-    def args_of(xs, r, al=None):
-        return (xs[0][r], xs[1][r], xs[2][r], conv_w, a_log if al is None else al, dt_bias, xs[3][r])
-
-    def timed_loop(fn, iters=8):
-        @jax.jit
-        def run(xs):
-            def body(i, carry):
-                al = a_log + i.astype(f32) * 0.0  # keeps the calls inside the loop
-                return tuple(fn(*args_of(xs, r, al)) for r in range(R))
-            shapes = jax.eval_shape(lambda: fn(*args_of(xs, 0)))
-            init = tuple(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes) for _ in range(R))
-            return lax.fori_loop(0, iters, body, init)
+    def timed_loop(fn, iters=8):  # -> timer(xs): µs per call, median of 15 runs of iters x R calls
+        run = harness.loop(fn, iters)
         return lambda xs: median_seconds(run, xs, reps=15) * 1e6 / (iters * R)
 
-    runs = {}  # (label, t) -> (fn, timer)
+    runs = {}  # (label, t) -> the call on one input set
     for label, opts, at, _ in variants:
         for t in ts:
             if at is None or at(t):
@@ -113,7 +90,7 @@ def main():
         for t in ts:
             runs[f"{name} tree default", t] = lambda *x, t=t, k=other: k(*x, tokens=t, **cfg)
 
-    xs_t = {t: inputs(t) for t in ts}
+    xs_t = {t: harness.inputs(t) for t in ts}
     with jax.default_matmul_precision("highest"):
         refs = {t: jax.jit(lambda *x, t=t: kda.kda_chain(*x, tokens=t, **cfg))(*args_of(xs_t[t], 0)) for t in ts}
     outs, res = {}, {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "errors": {}, "bitwise": {},

@@ -76,10 +76,6 @@ def launch_lines(compiled_text: str) -> list[str]:
     return out
 
 
-def count_kernels(compiled_text: str) -> int:
-    return len(launch_lines(compiled_text))
-
-
 def launch_summary(compiled_text: str) -> str:
     """"N" launches, or "N (M remat)" when XLA's rematerialization duplicated M of them (named *.remat) to
     fit its memory limit: the device memory it is given less the program's arguments. Flash's weights at
@@ -350,10 +346,13 @@ def main():
         bytes_decode = weight_bytes(base, distinct_1, 1, 0, ctx, tp)
         # round = S-1 MTP draft forwards + verify (width S+1) + draft-extend (one MTP forward)
         bytes_round = weight_bytes(base, distinct_w, width, args.steps, ctx, tp)
-        base_variants = [(k, g) for k in args.kernels for g in args.graphs]  # (kernels, graphs, xla_ops, options)
-        variants = [(k, g, (), ()) for k, g in base_variants]
-        variants += [(k, g, tuple(args.xla_ops), ()) for k, g in base_variants if args.xla_ops and k == "pallas"]
-        variants += [(k, g, (), tuple(args.xla_option)) for k, g in base_variants if args.xla_option and k == "pallas"]
+        # (kernels, graphs, xla_ops, xla_options): each kernel set and graph mode, then the pallas ones again
+        # with --xla-ops, then with --xla-option
+        plain = [(k, g) for k in args.kernels for g in args.graphs]
+        pallas = [(k, g) for k, g in plain if k == "pallas"]
+        variants = [(k, g, (), ()) for k, g in plain]
+        variants += [(k, g, tuple(args.xla_ops), ()) for k, g in pallas if args.xla_ops]
+        variants += [(k, g, (), tuple(args.xla_option)) for k, g in pallas if args.xla_option]
         for kernels, graphs, xla_ops, options in variants:
             if graphs == "whole" and tp == 1:
                 continue  # no collectives: the same program as split

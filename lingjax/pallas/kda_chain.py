@@ -62,7 +62,7 @@ from lingjax.pallas import resolve_interpret
 
 F32 = jnp.float32
 MAX_T = 16
-UNROLLED_MAX_T = 8  # row_loop=None: the unrolled kernel up to this many rows, the row loop above
+UNROLLED_MAX_T = 8  # row_loop=None: the unrolled kernel for 2 to this many rows, the row loop at T = 1 and above
 
 
 def _head_and_tiles(tiles, block_v):
