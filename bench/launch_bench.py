@@ -40,12 +40,12 @@ from jax.sharding import PartitionSpec as P
 from lingjax import sharding
 from lingjax.runtime import step_jit
 
-D = 2560  # Flash hidden size: the all-reduced vector is [1, D] bf16, as in decode
+D = 2560  # Flash hidden size: the all-reduced partial sums are [rows, D] f32, as in the model (rows 16 there)
 
 
-def make_program(tp: int, layers: int, stacked: bool, whole: bool, repeat: int = 1):
-    """-> (jitted fn(weights, x) -> x, weights, x): `layers` row-parallel GEMVs, a psum after each under TP,
-    the whole chain `repeat` times."""
+def make_program(tp: int, layers: int, stacked: bool, whole: bool, repeat: int = 1, rows: int = 1):
+    """-> (jitted fn(weights, x) -> x, weights, x): `layers` row-parallel GEMVs of `rows` rows, a psum after
+    each under TP, the whole chain `repeat` times."""
     mesh = sharding.make_mesh(tp) if tp > 1 else None
     w_spec = P(None, None, sharding.AXIS) if stacked else tuple(P(None, sharding.AXIS) for _ in range(layers))
 
@@ -58,7 +58,7 @@ def make_program(tp: int, layers: int, stacked: bool, whole: bool, repeat: int =
     # process holds one device (jax.distributed)
     place = (lambda spec: NamedSharding(mesh, spec)) if mesh is not None else (lambda spec: None)
     weights = jax.jit(draw_all, out_shardings=jax.tree.map(place, w_spec, is_leaf=lambda a: isinstance(a, P)))()
-    x = jax.jit(lambda: jnp.ones((1, D), jnp.bfloat16), out_shardings=place(P()))()
+    x = jax.jit(lambda: jnp.ones((rows, D), jnp.bfloat16), out_shardings=place(P()))()
 
     def body(ws, h):
         for i in range(layers):
@@ -114,6 +114,10 @@ def main():
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 32, 96])
     ap.add_argument("--repeat", type=int, nargs="+", default=[1, 8], help="chain runs per call (a lax.scan)")
     ap.add_argument("--n", type=int, default=50, help="calls per timed batch")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="rows of x: the all-reduced partial sums are [rows, 2560] f32 (a decode/verify of the "
+                         "model all-reduces 16 padded rows)")
+    ap.add_argument("--weights", nargs="+", choices=["separate", "stacked"], default=["separate", "stacked"])
     ap.add_argument("--processes", type=int, default=1,
                     help="also run the TP=N rows as N processes of one GPU each (first, before this process "
                          "takes the GPUs)")
@@ -127,7 +131,7 @@ def main():
     elif args.processes > 1 and run_processes(args.processes) != 0:
         sys.exit("the multi-process rows failed")
     lines = [f"# launch_bench: {datetime.date.today()}, {jax.devices()[0].device_kind} x{len(jax.devices())} "
-             f"visible, jax {jax.__version__}" + (f", {procs} processes" if procs > 1 else ""), "",
+             f"visible, jax {jax.__version__}, x [{args.rows}, {D}]" + (f", {procs} processes" if procs > 1 else ""), "",
              "| tp | layers | repeat | weights | all-reduces | µs/call | host dispatch µs/call | µs/layer | host µs/layer |",
              "|---|---|---|---|---|---|---|---|---|"]
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -135,9 +139,9 @@ def main():
     for tp in ([procs] if procs > 1 else args.tp):
         for layers in args.layers:
             for repeat in args.repeat:
-                for stacked in (False, True):
+                for stacked in (w == "stacked" for w in args.weights):
                     for whole in ((False, True) if tp > 1 else (False,)):
-                        fn, weights, x = make_program(tp, layers, stacked, whole, repeat)
+                        fn, weights, x = make_program(tp, layers, stacked, whole, repeat, args.rows)
                         call, host = timed(fn, weights, x, args.n)
                         blocks = layers * repeat
                         row = (f"| {tp}{f' ({procs} procs)' if procs > 1 else ''} | {layers} | {repeat} | "

@@ -59,6 +59,7 @@ class Census:
     real_step_us: float | None = None  # unprofiled, measured separately
     devices: int = 1
     peer_wait_us: float | None = None  # device 0: collective time before the last peer joined, per step
+    collective_gap_us: float = 0.0  # device 0: idle (traced) in the gaps just before or after a collective, per step
 
     @property
     def traced_idle_us(self) -> float:
@@ -184,6 +185,22 @@ def peer_wait_us(kernels: list[Kernel], device: int = 0) -> float | None:
     return wait
 
 
+def collective_gap_us(kernels: list[Kernel], device: int = 0) -> float:
+    """Of `device`'s idle time in the trace, the gaps that end where a collective kernel starts or start
+    where one ends. Each all-reduce left out of the CUDA graphs splits them (lingjax.runtime.step_jit),
+    and with them inside the gaps stay (NCCL's kernels as graph nodes): in Flash TP2 traces the gaps
+    beside the ~93 all-reduces of a round held most of its idle time, the gaps between other kernels
+    ~0.2 µs each (bench/results/step_flash_h200x2_2026-11-30_run5.md)."""
+    total, end, ended_collective = 0.0, None, False
+    for k in sorted((k for k in kernels if k.device == device), key=lambda k: k.start_us):
+        collective = bool(_COLLECTIVE.search(f"{k.name} {k.hlo_op}"))
+        if end is not None and k.start_us > end and (collective or ended_collective):
+            total += k.start_us - end
+        if end is None or k.start_us + k.dur_us >= end:
+            end, ended_collective = k.start_us + k.dur_us, collective
+    return total
+
+
 def census(kernels: list[Kernel], scopes: dict[str, str], steps: int, real_step_s: float | None = None,
            device: int = 0) -> Census:
     """Per-step GPU time by category on `device` over a trace of `steps` back-to-back steps."""
@@ -200,7 +217,8 @@ def census(kernels: list[Kernel], scopes: dict[str, str], steps: int, real_step_
                   by_category_us={c: by[c] / steps for c in CATEGORIES}, kernels_per_step=len(mine) / steps,
                   real_step_us=None if real_step_s is None else real_step_s * 1e6,
                   devices=len({k.device for k in kernels}),
-                  peer_wait_us=None if (wait := peer_wait_us(kernels, device)) is None else wait / steps)
+                  peer_wait_us=None if (wait := peer_wait_us(kernels, device)) is None else wait / steps,
+                  collective_gap_us=collective_gap_us(kernels, device) / steps)
 
 
 def format_census(censuses: dict[str, Census]) -> str:
@@ -227,6 +245,9 @@ def format_census(censuses: dict[str, Census]) -> str:
         f"{c.traced_step_us / c.real_step_us:.2f}" if c.real_step_us else "—" for c in censuses.values()) + " |")
     rows.append("| idle while traced | " + " | ".join(
         f"{c.traced_idle_us:.0f} ({100 * c.traced_idle_us / c.traced_step_us:.1f}%)" for c in censuses.values()) + " |")
+    rows.append("| of it: gaps beside a collective (traced) | " + " | ".join(
+        f"{c.collective_gap_us:.0f} ({100 * c.collective_gap_us / c.traced_step_us:.1f}%)" for c in censuses.values())
+        + " |")
     rows.append("| kernels per step (traced) | " + " | ".join(
         f"{c.kernels_per_step:.0f}" for c in censuses.values()) + " |")
     return "\n".join(rows)

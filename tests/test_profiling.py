@@ -64,10 +64,12 @@ def test_census_categories_union_and_calibration(tmp_path):
     assert c.traced_step_us == 50.0 and c.busy_us == 32.5 and c.traced_idle_us == 17.5
     assert c.real_idle_us == 7.5 and c.kernels_per_step == 2.5 and c.devices == 2
     assert c.peer_wait_us == 3.0  # 6 µs over 2 steps
+    assert c.collective_gap_us == 10.0  # of the idle [35, 50) and [65, 85), the gap before the all-reduce
     assert profiling.peer_wait_us([k for k in kernels if k.device == 0]) is None
     table = profiling.format_census({"a": c, "b": c})
     assert "| MoE experts | 8 (18.8%) | 8 (18.8%) |" in table and "| traced / real | 1.25 | 1.25 |" in table
     assert "| of the all-reduce time: waiting for a peer (traced) | 3 (7.5%) | 3 (7.5%) |" in table
+    assert "| of it: gaps beside a collective (traced) | 10 (20.0%) | 10 (20.0%) |" in table
     with pytest.raises(ValueError, match="no kernels of GPU 3"):
         profiling.census(kernels, {}, steps=1, device=3)
 
