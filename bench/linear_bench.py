@@ -1,5 +1,4 @@
-"""The Flash projections at verify width (16 padded rows) on one GPU: XLA's GEMM against skinny_linear,
-and the KDA output sub-layer (gated norm + o_proj) on XLA against the fused kernel (lingjax.pallas.kda_out).
+"""The Flash projections at verify width (16 padded rows) on one GPU: XLA's GEMM against skinny_linear.
 
 Shapes are one device's share at --tp (default 2) of the preset's projections that run at 16 rows in a
 verify: KDA in_proj (column-parallel, bf16 out) and o_proj (row-parallel, f32 partial sums for the
@@ -10,7 +9,6 @@ in-graph: a jitted fori_loop calling the projection on R distinct weight copies 
 given against its byte floor (weight + x + y bytes over the read bandwidth measured in the same run).
 
     python bench/linear_bench.py --out results.md       # GPU
-    python bench/linear_bench.py --part kda_output      # only the KDA output sub-layer's variants
     python bench/linear_bench.py --smoke                # CPU, tiny dims, interpret mode (script check)
 """
 
@@ -24,9 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from lingjax.config import preset
-from lingjax.ops.kda import kda_output
 from lingjax.ops.linear import linear
-from lingjax.pallas.kda_out import kda_output_fused
 from lingjax.pallas.skinny_linear import skinny_linear
 from measure import median_seconds, read_bandwidth, rel  # bench/measure.py, beside this script
 from report import Report  # bench/report.py, beside this script
@@ -45,18 +41,6 @@ VARIANTS = {  # label -> skinny_linear options; "default" takes its per-shape ti
     "bn16 warps1": dict(block_n=16, stages=4, warps=1),
     "bn16 warps4": dict(block_n=16, stages=4, warps=4),
 }
-KDA_OUT_VARIANTS = {  # label -> kda_output_fused options
-    "default": {},
-    "unmasked": dict(mask_rows=False),
-    "stages8": dict(stages=8),
-    "2 heads a step": dict(heads_per_step=2),
-    "4 heads a step": dict(heads_per_step=4),
-    "2 heads stages6": dict(heads_per_step=2, stages=6),
-    "bn32": dict(block_n=32),
-    "warps4": dict(warps=4),
-    "warps1": dict(warps=1),
-}
-KDA_OUT_TOKENS = 4  # real rows of the 16 (a verify at S = 3)
 
 
 def shapes(cfg, tp):
@@ -79,9 +63,9 @@ def timing_loop(fn, iters):
     step's profile (o_proj: 11.7 µs against 6.0 + 1.6 for the GEMM and its split-K reduce), with or
     without the barrier; why is not known, so compare against XLA in the step (step_bench --xla-ops)."""
 
-    def run(x, ws):  # x: an array or a tuple of arrays
+    def run(x, ws):
         def body(i, carry):
-            xi = jax.lax.optimization_barrier(jax.tree.map(lambda a: a + (i * 0).astype(a.dtype), x))
+            xi = jax.lax.optimization_barrier(x + (i * 0).astype(x.dtype))
             return tuple(fn(xi, w) for w in ws)
 
         init = tuple(jnp.zeros(out.shape, out.dtype) for out in (jax.eval_shape(fn, x, w) for w in ws))
@@ -90,65 +74,10 @@ def timing_loop(fn, iters):
     return jax.jit(run)
 
 
-def timed(say, fails, name, shape, fns, want, x, ws, floor_us, tol, iters, reps):
-    """One table row per fns entry: checked against want, then timed over the rotating weights ws."""
-    for label, fn in fns.items():
-        try:
-            err = rel(jax.jit(fn)(x, ws[0]), want)
-            us = median_seconds(timing_loop(fn, iters), x, ws, reps=reps) / (iters * len(ws)) * 1e6
-        except Exception as e:  # a variant that fails to compile is reported, the rest still run
-            say(f"| {name} | {shape} | {label} | failed: {type(e).__name__}: {str(e)[:80]} | | | |")
-            fails.append(f"{name} {label}")
-            continue
-        ok = err <= tol
-        fails += [] if ok else [f"{name} {label} err {err:.1e}"]
-        say(f"| {name} | {shape} | {label} | {us:.2f} | {floor_us:.2f} | {us / floor_us:.2f} | "
-            f"{err:.1e}{'' if ok else ' FAIL'} |")
-
-
-def weight_copies(name, n, k, budget):
-    copies = max(2, min(64, -(-int(budget) // (n * k * 2))))
-    keys = jax.random.split(jax.random.key(hash(name) % 2**31), copies)
-    return [(jax.random.normal(kk, (n, k), F32) * k**-0.5).astype(BF16) for kk in keys]
-
-
-def projections(cfg, tp, bw, say, fails, iters, reps, budget):
-    for name, (n, k, out) in shapes(cfg, tp).items():
-        ws = weight_copies(name, n, k, budget)
-        x = jax.random.normal(jax.random.key(1), (ROWS, k), F32).astype(BF16)
-        floor_us = (n * k * 2 + x.nbytes + ROWS * n * jnp.dtype(out).itemsize) / bw * 1e6
-        want = jax.jit(lambda a, b: linear(a, b, out))(x, ws[0])
-        fns = {"XLA einsum": lambda a, b: linear(a, b, out)}
-        fns.update({f"pallas {lbl}": (lambda a, b, o=o: skinny_linear(a, b, out, **o)) for lbl, o in VARIANTS.items()})
-        timed(say, fails, name, f"{n} x {k}", fns, want, x, ws, floor_us, 1e-2 if out == BF16 else 1e-5, iters, reps)
-
-
-def kda_output_part(cfg, tp, bw, say, fails, iters, reps, budget):
-    """The KDA output sub-layer at a verify (T = KDA_OUT_TOKENS real rows of 16): XLA's gated-norm fusion,
-    split-K GEMM and reduce (lingjax.ops.kda.kda_output) against kda_output_fused's variants."""
-    h, dv, d = cfg.kda_num_heads // tp, cfg.kda_head_dim, cfg.hidden_size
-    p = h * dv
-    ko, kp, kn = jax.random.split(jax.random.key(2), 3)
-    o = jax.random.normal(ko, (ROWS, h, dv), F32)
-    o = jnp.where((jnp.arange(ROWS) < KDA_OUT_TOKENS)[:, None, None], o, 0.0)  # as the chain leaves it
-    proj = jax.random.normal(kp, (ROWS, 5 * p), F32).astype(BF16)
-    norm_w = (1 + 0.1 * jax.random.normal(kn, (dv,), F32)).astype(BF16)
-    ws = weight_copies("kda o_proj", d, p, budget)
-    x = (o, proj, norm_w)
-    floor_us = (d * p * 2 + KDA_OUT_TOKENS * (p * 4 + p * 2) + ROWS * d * 4) / bw * 1e6
-    opts = dict(tokens=KDA_OUT_TOKENS, eps=cfg.rms_norm_eps)
-    want = jax.jit(lambda a, b: kda_output(*a, b, **opts))(x, ws[0])
-    fns = {"XLA (3 kernels)": lambda a, b: kda_output(*a, b, **opts)}
-    fns.update({f"fused {lbl}": (lambda a, b, v=v: kda_output_fused(*a, b, **opts, **v))
-                for lbl, v in KDA_OUT_VARIANTS.items()})
-    timed(say, fails, "KDA output", f"{d} x {p}, T={KDA_OUT_TOKENS}", fns, want, x, ws, floor_us, 1e-2, iters, reps)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="flash")
     ap.add_argument("--tp", type=int, default=2, help="time one device's share of a TP run of this width")
-    ap.add_argument("--part", choices=["all", "projections", "kda_output"], default="all")
     ap.add_argument("--smoke", action="store_true", help="tiny preset, interpret mode: a CPU check of the script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -164,10 +93,28 @@ def main():
     say("| projection | N x K | variant | µs | floor µs | x floor | rel. err vs XLA |")
     say("|---|---|---|---|---|---|---|")
     fails = []
-    if args.part in ("all", "projections"):
-        projections(cfg, args.tp, bw, say, fails, iters, reps, budget)
-    if args.part in ("all", "kda_output"):
-        kda_output_part(cfg, args.tp, bw, say, fails, iters, reps, budget)
+    for name, (n, k, out) in shapes(cfg, args.tp).items():
+        wbytes = n * k * 2
+        copies = max(2, min(64, -(-int(budget) // wbytes)))
+        keys = jax.random.split(jax.random.key(hash(name) % 2**31), copies + 1)
+        x = jax.random.normal(keys[0], (ROWS, k), F32).astype(BF16)
+        ws = [(jax.random.normal(kk, (n, k), F32) * k**-0.5).astype(BF16) for kk in keys[1:]]
+        floor_us = (wbytes + x.nbytes + ROWS * n * jnp.dtype(out).itemsize) / bw * 1e6
+        want = jax.jit(lambda a, b: linear(a, b, out))(x, ws[0])
+        fns = {"XLA einsum": lambda a, b: linear(a, b, out)}
+        fns.update({f"pallas {lbl}": (lambda a, b, o=o: skinny_linear(a, b, out, **o)) for lbl, o in VARIANTS.items()})
+        for label, fn in fns.items():
+            try:
+                err = rel(jax.jit(fn)(x, ws[0]), want)
+                us = median_seconds(timing_loop(fn, iters), x, ws, reps=reps) / (iters * copies) * 1e6
+            except Exception as e:  # a variant that fails to compile is reported, the rest still run
+                say(f"| {name} | {n} x {k} | {label} | failed: {type(e).__name__}: {str(e)[:80]} | | | |")
+                fails.append(f"{name} {label}")
+                continue
+            ok = err <= (1e-2 if out == BF16 else 1e-5)
+            fails += [] if ok else [f"{name} {label} err {err:.1e}"]
+            say(f"| {name} | {n} x {k} | {label} | {us:.2f} | {floor_us:.2f} | {us / floor_us:.2f} | "
+                f"{err:.1e}{'' if ok else ' FAIL'} |")
     say("\n" + ("all variants match XLA" if not fails else "FAILURES: " + "; ".join(fails)))
     return 1 if fails else 0
 

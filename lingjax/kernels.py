@@ -28,7 +28,6 @@ CHOICES = ("auto",) + KERNELS
 OPS = {
     "kda_chain": (kda_ops.kda_chain, "lingjax.pallas.kda_chain:kda_chain_verify"),
     "kda_chunked": (kda_ops.kda_chunked, "lingjax.pallas.kda_prefill:kda_chunked_prefill"),
-    "kda_output": (kda_ops.kda_output, "lingjax.pallas.kda_out:kda_output_fused"),
     "moe_route": (moe_ops.route, "lingjax.pallas.moe_router:route"),
     "moe_experts": (moe_ops.experts_gathered, "lingjax.pallas.moe_experts:fused_experts"),
 }

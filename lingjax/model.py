@@ -39,7 +39,7 @@ from lingjax.ops import kda as kda_ops
 from lingjax.ops import linear as linear_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
-from lingjax.ops.norms import rms_norm
+from lingjax.ops.norms import gated_rms_norm, rms_norm
 from lingjax.ops.rope import rope_interleaved
 
 F32 = jnp.float32
@@ -144,13 +144,13 @@ class KDAAttention(nnx.Module):
         t = paths.tokens
         if stage and paths.kda_chunked:
             raise ValueError(f"staged (verify) forwards take at most {SMALL_T} tokens, got {t}")
-        h = self.b_proj.shape[0]  # heads on this device (all of them without TP)
+        h, dk = self.b_proj.shape[0], cfg.kda_head_dim  # heads on this device (all of them without TP)
         with jax.named_scope("kda_proj"):
             w = self.in_proj[...]  # [5, P, D]: the reshape is free, the five slices are contiguous
             proj = linear(x, w.reshape(-1, w.shape[-1]))  # [rows, 5P] = q | k | v | f | g
             p = w.shape[1]  # channels on this device
             # the recurrence and the conv carry state from row to row: they read the real rows only
-            qkv = proj[:t, : 3 * p]
+            qkv, g_out = proj[:t, : 3 * p], proj[:, 4 * p :]
         with jax.named_scope("kda_gate"):
             b = narrow_linear(x, self.b_proj)  # [rows, H]
         conv_w = self.conv[...].reshape(-1, self.conv.shape[-1])  # [3P, W], q|k|v blocks, no copy
@@ -172,9 +172,10 @@ class KDAAttention(nnx.Module):
                 o, staged = paths.op("kda_chain")(proj, b, *params, cache.state, tokens=t, **gate_cfg)
                 windows = kda_ops.conv_windows(window, qkv).reshape((t,) + cache.conv.shape)  # qkv's slice fuses in
                 state, conv = staged[-1], windows[-1]
-        with jax.named_scope("kda_out"):  # gated norm (gate: proj's last P columns) and o_proj, f32 partial sums
-            y = paths.op("kda_output")(o, proj, self.o_norm[...], self.o_proj[...], tokens=t, eps=cfg.rms_norm_eps)
-            y = paths.ex.psum(y).astype(x.dtype)
+        with jax.named_scope("kda_out"):
+            gate = g_out.reshape(paths.rows, h, dk)
+            y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)  # o: [rows, H, V]
+            y = row_linear(y.reshape(paths.rows, h * dk), self.o_proj, paths.ex)
         if stage:
             return y, KDAStaged(states=staged, windows=windows)
         return y, KDACache(state=state, conv=conv)

@@ -14,7 +14,6 @@ import pytest
 from jax._src.pallas.triton import gpu_info
 
 from lingjax.pallas.kda_chain import kda_chain_verify
-from lingjax.pallas.kda_out import kda_output_fused
 from lingjax.pallas.kda_prefill import kda_chunked_prefill
 from lingjax.pallas.moe_align import moe_align
 from lingjax.pallas.moe_experts import fused_experts
@@ -75,10 +74,3 @@ def test_kda_kernels_lower(tokens, opts):  # by default the row loop at T = 1 an
 def test_skinny_linear_lowers(n, k, out):
     proj = functools.partial(skinny_linear, out_dtype=out, interpret=False)
     assert _triton_calls(proj, S((ROWS, k), BF), S((n, k), BF)) == 1
-
-
-@pytest.mark.parametrize("tokens", [1, 4, 16])
-def test_kda_output_lowers(tokens):  # gated norm + o_proj on one TP2 device
-    p = H * DK
-    out = functools.partial(kda_output_fused, tokens=tokens, eps=1e-6, interpret=False)
-    assert _triton_calls(out, S((ROWS, H, DK), F32), S((ROWS, 5 * p), BF), S((DK,), BF), S((D, p), BF)) == 1

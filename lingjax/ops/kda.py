@@ -9,8 +9,7 @@ kda_chain, the decode/verify contract, takes the projections on all the forward'
 import jax
 import jax.numpy as jnp
 
-from lingjax.ops.linear import linear
-from lingjax.ops.norms import gated_rms_norm, l2norm
+from lingjax.ops.norms import l2norm
 
 
 def short_conv(x: jax.Array, window: jax.Array, weight: jax.Array, n_valid) -> tuple[jax.Array, jax.Array]:
@@ -86,22 +85,6 @@ def kda_chain(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, num_hea
                                       num_heads=num_heads, safe_gate=safe_gate, lower_bound=lower_bound)
     o, _, staged = kda_recurrent(q, k, v, g, beta, state, return_states=True)
     return jnp.pad(o, [(0, proj.shape[0] - tokens), (0, 0), (0, 0)]), staged
-
-
-def kda_output(o, proj, norm_w, o_proj, *, tokens, eps):
-    """The output sub-layer before its all-reduce: y = gated_rms_norm(o, norm_w, g) per head, rounded to
-    proj's dtype, then y·o_projᵀ accumulated in f32 -> [rows, D] f32 (under TP this device's partial
-    sums; the caller's all-reduce and single rounding follow).
-
-    o: [rows, H, V] f32, kda_chain's or kda_chunked's output (zero in rows >= T on the chain's padded
-    rows); proj: [rows, >= P] the in_proj output, whose last P = H·V columns are the output gate g;
-    norm_w [V]; o_proj [D, P]. `tokens` (T) lets the fused kernel skip the padded rows; they come out
-    zero here all the same, as o is zero there."""
-    del tokens
-    rows, h, dv = o.shape
-    gate = proj[:, proj.shape[1] - h * dv :].reshape(rows, h, dv)
-    y = gated_rms_norm(o, norm_w, gate, eps).astype(proj.dtype)
-    return linear(y.reshape(rows, h * dv), o_proj, jnp.float32)
 
 
 def kda_step(state, q, k, v, g, beta):
