@@ -21,7 +21,9 @@ not interpreted, step_jit's compiler options, kernels="auto" -> pallas), hands t
 to lingjax.sharding, and lowers under an abstract mesh naming the H200 (Pallas reads the target from it).
 Not the same as the device: no autotuning, so GEMM tile configs may differ from a real compile; which
 ops fuse into which kernels is the compiler's own decision. bench/results/aot_census_2026-11-30.md
-has Flash's counts at TP2 and TP4; a comparison with a device compile under the same rule is pending.
+has Flash's counts at TP2 and TP4. Against a device compile of the same tree (step_bench --profile's saved
+round HLO, counted by --from-hlo) the Flash TP2 round had 997 launches here and 993 on the H200
+(bench/results/step_flash_h200x2_2026-11-30_run5.md).
 """
 
 from __future__ import annotations
