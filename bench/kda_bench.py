@@ -129,6 +129,7 @@ def fla_main():
             res[f"chunk_kda{'_safe' if safe else ''}_T{PREFILL_T}"] = statistics.median(times)
         except Exception as e:
             res[f"chunk_kda{'_safe' if safe else ''}_T{PREFILL_T}"] = f"failed: {type(e).__name__}: {e}"[:300]
+        res["complete"] = safe  # the last line says the child reached its end (main flags a cut-off run)
         print(json.dumps(res), flush=True)
 
 
@@ -415,6 +416,8 @@ def chain_table(chain, labels):
 def summary(res, fla):
     bw = res["bandwidth_GBps"] * 1e9
     lines = [f"floors at the measured bf16 copy bandwidth {bw / 1e12:.2f} TB/s", "", res["chain_table"], ""]
+    if "error" in fla:
+        lines.append(f"fla: {fla['error']}")
     for t in TS:
         rows = [r for r in res["chain"].values() if r["T"] == t and "variant" in r]
         ref = fla.get(f"fused_recurrent_T{t}")
@@ -438,6 +441,23 @@ def summary(res, fla):
     return "\n".join(lines)
 
 
+def load_fla(path) -> dict:
+    """The fla child's figures: its output's last JSON line (each line holds every figure so far). "error"
+    says when there is none, or when the child stopped before its last figure (its timeout cut it off)."""
+    fla = None
+    for line in open(path).read().splitlines():
+        try:
+            fla = json.loads(line) if line.startswith("{") else fla
+        except json.JSONDecodeError:  # a line torn by the kill
+            pass
+    if fla is None:
+        return {"error": "no fla output"}
+    if not fla.pop("complete", False):
+        fla["error"] = ("the fla child stopped before its last figure (cut off by its timeout?): "
+                        "the figures it did not reach show as None")
+    return fla
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fla-child", action="store_true", help="time fla (PyTorch) only, print JSON lines")
@@ -446,10 +466,7 @@ def main():
     a = ap.parse_args()
     if a.fla_child:
         return fla_main()
-    fla = {}
-    if a.fla_json and os.path.exists(a.fla_json):
-        lines = [ln for ln in open(a.fla_json).read().splitlines() if ln.startswith("{")]
-        fla = json.loads(lines[-1]) if lines else {"error": "no fla output"}
+    fla = load_fla(a.fla_json) if a.fla_json and os.path.exists(a.fla_json) else {}
     res = jax_main(None)
     res["fla"] = fla
     res["summary"] = summary(res, fla)
