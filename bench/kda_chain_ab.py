@@ -1,7 +1,8 @@
 """KDA chain-verify kernels A/B in one process: this tree's variants against other trees' kernels.
 
   python bench/kda_chain_ab.py [--tree old=/path/to/other/checkout ...] [--ts 1,4,6,16] [--rounds 3]
-                               [--block-v 16,32] [--warps 4] [--fla-json fla.jsonl] [--out ab.json]
+                               [--block-v 16,32] [--warps 4] [--deferred-norms] [--fla-json fla.jsonl]
+                               [--out ab.json]
 
 Why: the same kernel's time moved ~15% between processes on the H200 (T = 6: 11.7-14.1 µs), more than the
 differences being decided. Here every variant is compiled in one process and timed in `rounds`
@@ -39,14 +40,18 @@ def load_tree_kernel(label: str, root: str):
     return mod.kda_chain_verify
 
 
-def variants_here(block_vs, warps):
-    """(label, kda_chain_verify options, the T it runs at or None for all, bit-identity partner label)."""
-    out = [("default", {}, None, None)]
-    for bv in block_vs:
-        for w in warps:
-            tag, base = f"BV{bv} w{w}", dict(block_v=bv, num_warps=w)
-            out.append((f"unrolled {tag}", dict(base, row_loop=False), lambda t: t <= 8, None))
-            out.append((f"row loop {tag}", dict(base, row_loop=True), None, f"unrolled {tag}"))
+def variants_here(block_vs, warps, deferred_norms=False):
+    """(label, kda_chain_verify options, the T it runs at or None for all, bit-identity partner label).
+    deferred_norms: each variant also with that option (kda_chain's docstring)."""
+    out = []
+    for deferred in (False, True) if deferred_norms else (False,):
+        extra, sfx = (dict(deferred_norms=True), " deferred") if deferred else ({}, "")
+        out.append((f"default{sfx}", extra, None, None))
+        for bv in block_vs:
+            for w in warps:
+                tag, base = f"BV{bv} w{w}{sfx}", dict(block_v=bv, num_warps=w, **extra)
+                out.append((f"unrolled {tag}", dict(base, row_loop=False), lambda t: t <= 8, None))
+                out.append((f"row loop {tag}", dict(base, row_loop=True), None, f"unrolled {tag}"))
     return out
 
 
@@ -57,11 +62,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block-v", default="16,32", help="BV of this tree's unrolled and row-loop variants")
     ap.add_argument("--warps", default="4", help="num_warps of those variants")
+    ap.add_argument("--deferred-norms", action="store_true", help="also every variant with deferred_norms")
     ap.add_argument("--fla-json", default=None)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kda_chain_ab.json"))
     a = ap.parse_args()
     ts = [int(t) for t in a.ts.split(",")]
-    variants = variants_here([int(x) for x in a.block_v.split(",")], [int(x) for x in a.warps.split(",")])
+    variants = variants_here([int(x) for x in a.block_v.split(",")], [int(x) for x in a.warps.split(",")],
+                             a.deferred_norms)
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     kda_bench._import_kernels_only()
@@ -119,10 +126,9 @@ def main():
     for (label, t), us in per_round.items():
         res["us"][f"{label} T={t}"] = us
 
-    fla = {}
-    if a.fla_json:
-        for line in open(a.fla_json):
-            fla.update(json.loads(line))
+    fla = kda_bench.load_fla(a.fla_json) if a.fla_json else {}
+    if "error" in fla:
+        print(f"fla: {fla['error']}", flush=True)
     labels = list(dict.fromkeys(label for label, _ in runs))
     head = "| variant | " + " | ".join(f"T={t} µs" for t in ts) + " |"
     lines = [f"{res['device']}, jax {res['jax']}: median over {a.rounds} interleaved rounds (spread min-max)", "",

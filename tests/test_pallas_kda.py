@@ -44,7 +44,11 @@ CHAIN_OPTS = {"first": dict(hoist_loads=False, parallel_read=False, row_loop=Fal
               "hoisted-parallel": {},
               "unrolled": dict(row_loop=False),
               "row-loop": dict(row_loop=True),
-              "row-loop-serial-read": dict(row_loop=True, parallel_read=False)}
+              "row-loop-serial-read": dict(row_loop=True, parallel_read=False),
+              "unrolled-deferred": dict(row_loop=False, deferred_norms=True),
+              "row-loop-deferred": dict(row_loop=True, deferred_norms=True),
+              "first-deferred": dict(hoist_loads=False, parallel_read=False, row_loop=False, deferred_norms=True),
+              "row-loop-serial-deferred": dict(row_loop=True, parallel_read=False, deferred_norms=True)}
 
 
 def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, rows=None, **opts):

@@ -56,7 +56,8 @@ def test_moe_kernels_lower(tokens):
 
 @pytest.mark.parametrize("tokens,opts", [(1, {}), (4, {}), (16, {}), (4, dict(row_loop=True)),
                                          (1, dict(row_loop=False)), (16, dict(row_loop=False)),
-                                         (4, dict(block_v=16))])
+                                         (4, dict(block_v=16)), (1, dict(deferred_norms=True)),
+                                         (4, dict(deferred_norms=True)), (16, dict(deferred_norms=True))])
 def test_kda_kernels_lower(tokens, opts):  # by default the row loop at T = 1 and above T = 8, unrolled between
     p = H * DK
     chain = functools.partial(kda_chain_verify, tokens=tokens, num_heads=H, safe_gate=True, lower_bound=-5.0,

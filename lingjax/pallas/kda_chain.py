@@ -39,6 +39,10 @@ bench/results/kda_h200_2026-11-29.md, they took T = 1/6/16 from 9.3/17.1/47.5 µ
   UNROLLED_MAX_T rows and the unrolled kernel between. The two compute bit-identical rows on the H200
   (BV16: T = 1, 4, 6, 10, 16; BV32: T = 1, 4, 6), so a verify of any width matches plain decode. (In
   interpret mode on the CPU they differ in the last bits.)
+- deferred_norms: the predict, the read and q.k are summed against the raw (conv + SiLU) q and k and
+  divided by the norms after, so the norms' reductions run beside the state's instead of ahead of them:
+  one reduction less on each row's critical path (the whole chain at T = 1, every row in the loop).
+  Equal to the reference up to rounding order. Off by default: not yet timed on a GPU.
 
 Defaults (bench/results/kda_h200x2_2026-11-30_run2.md: every variant in one process, interleaved rounds,
 bench/kda_chain_ab.py): BV32 (128 programs at H = 32, one per SM) with 4 warps, T = 1 / 4 / 6 / 16 in
@@ -80,7 +84,24 @@ def _conv_silu(w, src):
 
 
 def _l2norm(x):  # eps inside the sqrt, as lingjax.ops.norms.l2norm
-    return x / jnp.sqrt(jnp.sum(x * x) + 1e-6)
+    return x / _norm(x)
+
+
+def _norm(x):
+    return jnp.sqrt(jnp.sum(x * x) + 1e-6)
+
+
+def _q_k(q_conv, k_conv, dim, deferred_norms):
+    """Row t's q (scaled by dim^-1/2) and k as the chain takes them: l2-normalised, norms None; or, with
+    deferred_norms, raw, with the divisors (|q|·dim^1/2, |k|) that _chain_row applies after its sums."""
+    if not deferred_norms:
+        return _l2norm(q_conv) * dim**-0.5, _l2norm(k_conv), None
+    return q_conv, k_conv, (_norm(q_conv) * dim**0.5, _norm(k_conv))
+
+
+def _qk(q, k, norms):
+    """q·k of the normalised row (parallel_read's o = w + (q·k) delta)."""
+    return jnp.sum(q * k) if norms is None else jnp.sum(q * k) / norms[0] / norms[1]
 
 
 def _gate_beta(f, b, dtb, rate, *, safe_gate, lower_bound):
@@ -90,22 +111,33 @@ def _gate_beta(f, b, dtb, rate, *, safe_gate, lower_bound):
     return jnp.exp(g), jax.nn.sigmoid(b.astype(F32))
 
 
-def _chain_row(s, vs, decay, k, q, beta, qk, *, st_ref, o_ref, t, h, col0, block_v):
+def _chain_row(s, vs, decay, k, q, beta, qk, *, st_ref, o_ref, t, h, col0, block_v, norms=None):
     """One row of the gated delta rule on every V tile: s tiles x [K, BV] -> the new tiles, stored to
-    st_ref[t] with the output row o_ref[t]; vs tiles x [BV]. qk None: read the written state."""
+    st_ref[t] with the output row o_ref[t]; vs tiles x [BV]. qk None: read the written state.
+    norms (deferred_norms): q and k are raw and the sums against them are divided by (q's, k's) norms
+    after, so the norms' reductions run beside the state's instead of before them; qk is then already
+    normalised."""
     # [:, None] here, not in the prologue: T rows x 3 vectors broadcast into the tile's layout ahead of
     # the unrolled chain spill registers at T = 16; the compact 1-D vectors do not
-    k, decay = k[:, None], decay[:, None]
+    kc, decay = k[:, None], decay[:, None]
+    k_unit = kc if norms is None else kc / norms[1]  # the normalised k of the write
     new = []
     for si, v, c in zip(s, vs, col0):
         sd = si * decay  # decay rows
-        u = jnp.sum(sd * k, axis=0)  # [BV] predict
+        u = jnp.sum(sd * kc, axis=0)  # [BV] predict
         if qk is not None:
             w = jnp.sum(sd * q[:, None], axis=0)  # [BV] read of the decayed state, beside the predict
+        if norms is not None:
+            u = u / norms[1]
+            w = w / norms[0] if qk is not None else None
         delta = beta * (v - u)
-        si = sd + k * delta[None, :]  # delta write
+        si = sd + k_unit * delta[None, :]  # delta write
         st_ref[t, h, :, pl.ds(c, block_v)] = si
-        o_ref[t, h, pl.ds(c, block_v)] = w + qk * delta if qk is not None else jnp.sum(si * q[:, None], axis=0)
+        if qk is not None:
+            o = w + qk * delta
+        else:
+            o = jnp.sum(si * q[:, None], axis=0) / (1.0 if norms is None else norms[0])
+        o_ref[t, h, pl.ds(c, block_v)] = o
         new.append(si)
     return new
 
@@ -119,7 +151,8 @@ def _zero_rows(o_ref, tokens, h, col0, block_v):
 
 def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
                   o_ref, st_ref,  # outputs
-                  *, tokens, num_heads, dim, block_v, tiles, hoist_loads, safe_gate, lower_bound, parallel_read):
+                  *, tokens, num_heads, dim, block_v, tiles, hoist_loads, safe_gate, lower_bound, parallel_read,
+                  deferred_norms):
     # proj_ref [rows, >=4P] (q|k|v columns [0, 3P), f [3P, 4P)); b_ref [rows, H]; win_ref [W-1, 3P];
     # convw_ref [3P, W] f32; alog_ref [H]; dtb_ref [P]; s_ref [H, K, V] f32
     # -> o_ref [rows, H, V] f32; st_ref [T, H, K, V] f32, T = tokens. Input rows >= T are never read.
@@ -154,27 +187,33 @@ def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,
 
     # In this order (every row's q, then every row's k, v, then gate, beta and q.k per row) T = 6 measured
     # 0.7 µs faster on the H200 than with each row's norms and gate together (the row loop's order).
-    qs = [_l2norm(x) * dim**-0.5 for x in conv_silu(q_in)]  # T x [K]
-    ks = [_l2norm(x) for x in conv_silu(k_in)]  # T x [K]
+    if deferred_norms:
+        qks = [_q_k(q, k, dim, True) for q, k in zip(conv_silu(q_in), conv_silu(k_in))]
+        qs, ks, norms = [x[0] for x in qks], [x[1] for x in qks], [x[2] for x in qks]
+    else:
+        qs = [_l2norm(x) * dim**-0.5 for x in conv_silu(q_in)]  # T x [K]
+        ks = [_l2norm(x) for x in conv_silu(k_in)]  # T x [K]
+        norms = [None] * tokens
     vs = [conv_silu(c) for c in v_in]  # tiles x T x [BV]
     rate = early(lambda: jnp.exp(alog_in().astype(F32)))
     dtb = early(lambda: dtb_in().astype(F32))
     rows = [early(lambda t=t: (*_gate_beta(f_in[t](), b_in[t](), dtb(), rate(), safe_gate=safe_gate,
                                            lower_bound=lower_bound),
-                               jnp.sum(qs[t] * ks[t]) if parallel_read else None)) for t in range(tokens)]
+                               _qk(qs[t], ks[t], norms[t]) if parallel_read else None)) for t in range(tokens)]
 
     # ---- the chain: T rows, the tiles' independent chains interleaved
     s = [x() for x in s_in]
     for t in range(tokens):
         decay, beta, qk = rows[t]()
         s = _chain_row(s, [v[t] for v in vs], decay, ks[t], qs[t], beta, qk, st_ref=st_ref, o_ref=o_ref, t=t,
-                       h=h, col0=col0, block_v=block_v)
+                       h=h, col0=col0, block_v=block_v, norms=norms[t])
     _zero_rows(o_ref, tokens, h, col0, block_v)
 
 
 def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
                        o_ref, st_ref,  # outputs
-                       *, tokens, num_heads, dim, block_v, tiles, safe_gate, lower_bound, parallel_read):
+                       *, tokens, num_heads, dim, block_v, tiles, safe_gate, lower_bound, parallel_read,
+                       deferred_norms):
     # The same contract as _chain_kernel, the rows in a fori_loop: one compiled row body whatever T, the
     # conv window carried, and the next row's global reads issued before this row's reductions.
     h, col0 = _head_and_tiles(tiles, block_v)
@@ -197,10 +236,10 @@ def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s
         nxt = reads(jnp.minimum(t + 1, tokens - 1))  # the last row re-reads itself, unused
         src = [rows + [x.astype(F32)] for rows, x in zip(win, x_t)]
         q_conv, k_conv, *vs = [_conv_silu(w, x) for w, x in zip(conv_w, src)]
-        q, k = _l2norm(q_conv) * dim**-0.5, _l2norm(k_conv)
+        q, k, norms = _q_k(q_conv, k_conv, dim, deferred_norms)
         decay, beta = _gate_beta(f_t, b_t, dtb, rate, safe_gate=safe_gate, lower_bound=lower_bound)
-        s = _chain_row(s, vs, decay, k, q, beta, jnp.sum(q * k) if parallel_read else None, st_ref=st_ref,
-                       o_ref=o_ref, t=t, h=h, col0=col0, block_v=block_v)
+        s = _chain_row(s, vs, decay, k, q, beta, _qk(q, k, norms) if parallel_read else None, st_ref=st_ref,
+                       o_ref=o_ref, t=t, h=h, col0=col0, block_v=block_v, norms=norms)
         return s, [x[1:] for x in src], nxt
 
     jax.lax.fori_loop(0, tokens, row, (s0, win0, first))
@@ -209,11 +248,11 @@ def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s
 
 @functools.partial(jax.jit, static_argnames=("tokens", "num_heads", "safe_gate", "lower_bound", "block_v",
                                              "num_warps", "hoist_loads", "parallel_read", "tiles_per_program",
-                                             "row_loop", "interpret"))
+                                             "row_loop", "deferred_norms", "interpret"))
 def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate, lower_bound,
                      block_v: int = 32, num_warps: int = 4, hoist_loads: bool = True,
                      parallel_read: bool = True, tiles_per_program: int = 1, row_loop: bool | None = None,
-                     interpret=None):
+                     deferred_norms: bool = False, interpret=None):
     """Same arguments and results as lingjax.ops.kda.kda_chain: (o [rows, H, V] f32, zero past row
     `tokens`; staged [tokens, H, K, V] f32). block_v: V columns per tile; tiles_per_program (clamped to
     V / block_v), hoist_loads, parallel_read, row_loop (None: the loop at T = 1 and above UNROLLED_MAX_T
@@ -227,7 +266,7 @@ def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, 
     tiles = min(tiles_per_program, dv // block_v)
     assert dv % (block_v * tiles) == 0, (dv, block_v, tiles)
     cfg = dict(tokens=tokens, num_heads=h, dim=dk, block_v=block_v, tiles=tiles, safe_gate=safe_gate,
-               lower_bound=lower_bound, parallel_read=parallel_read)
+               lower_bound=lower_bound, parallel_read=parallel_read, deferred_norms=deferred_norms)
     if row_loop or (row_loop is None and (tokens == 1 or tokens > UNROLLED_MAX_T)):
         kernel = functools.partial(_chain_loop_kernel, **cfg)
     else:
