@@ -50,6 +50,8 @@ def test_moe_kernels_lower(tokens):
     router = functools.partial(route, top_k=K, n_group=8, topk_group=4, scaling=2.5, renormalize=True,
                                interpret=False)
     assert _triton_calls(router, S((ROWS, D), BF), S((E, D), BF), S((E,), F32)) >= 1
+    fused_router = functools.partial(router, select="fused")
+    assert _triton_calls(fused_router, S((ROWS, D), BF), S((E, D), BF), S((E,), F32)) == 1
     align = functools.partial(moe_align, tokens=tokens, block_m=16, interpret=False)
     assert _triton_calls(align, S((ROWS, K), I32)) == 1
 

@@ -1,6 +1,6 @@
 """noaux_tc router (ling3_architecture.md §6.1): gate GEMV, sigmoid, biased group-limited top-k, weights.
 
-Two launches, both tiny:
+Two launches by default, both tiny:
   1. Gate GEMV, grid (E tile, K split, token block): partial logits [KS, T, E] f32. Reading the 2.6 MB
      router weight at full bandwidth needs many CTAs in flight at once: the default K split of 5 gives
      32 × 5 = 160 programs of one 16 KB tile each (k_splits=1 gave 32 programs streaming 80 KB).
@@ -14,11 +14,19 @@ Two launches, both tiny:
 Ties resolve to the lower index at every stage, as `jax.lax.top_k` does, and experts come out in the
 reference's order (descending biased score).
 
-Not folded into one launch: the selection needs every program's logits, i.e. a grid-wide "last program
-does the selection" handshake (atomic counter). Pallas' atomic_add lowers to an acq_rel gpu-scope
-tt.atomic_rmw issued by one thread, but nothing orders the other threads' logit stores before it (that
-needs a CTA barrier between the stores and the atomic, which Pallas cannot place), and the counter would
-need a zeroing node per call; an ordering race that interpret mode cannot show was not worth ~2 µs.
+select="fused" (one launch, off by default: not yet timed or stress-tested on a GPU): the GEMV's programs
+store their partial logits, then each takes a ticket from an arrival counter, and the program that draws
+the last ticket sums the partials and selects for every token (the vector select's _select_rows on
+blocks of tokens). The ordering argument, in the PTX memory model: pltriton.debug_barrier() is a CTA
+barrier (bar.sync), after which every thread's partial-logit stores are performed with respect to the
+thread that issues the atomic (Pallas lowers atomic_add on a scalar to one thread's tt.atomic_rmw, acq_rel
+at gpu scope); that release is cumulative, so the last program's acquire (the same atomic) makes every
+program's partials visible to it, and the barrier inside the atomic's broadcast orders its other threads'
+loads after the acquire. Its loads sit under the branch on the ticket, so none can move above the
+atomic. The counter is a fresh zero each call (XLA copies a constant into it: a 4-byte memcpy node). The
+two-launch path above saves that node and the handshake; which is faster is for the H200 to say
+(bench/moe_bench.py's router table). Interpret mode runs programs one after another and checks the
+arithmetic and the last-ticket logic, not the ordering.
 
 precision="f32" (default, parity): the dot is exact-product f32. With bf16 x and weight (a bf16
 checkpoint) every product is exact in f32, so it runs on the tensor cores with f32 accumulation (same
@@ -159,13 +167,38 @@ def _select_kernel(p_ref, b_ref, w_ref, e_ref, **cfg):
     w_ref[row, :], e_ref[row, :] = _select_rows(logits, b_ref[...], **cfg)
 
 
+def _gemv_select_kernel(x_ref, w_ref, b_ref, cnt_in_ref, p_ref, wt_ref, e_ref, cnt_ref, *, gemv, select, on_gpu):
+    # select="fused": the gate GEMV's programs (grid and partial logits as _gemv_kernel), then the last
+    # program to finish selects for every token. cnt_in_ref/cnt_ref: the one arrival counter, aliased, zero
+    # at the start of the call; x_ref [T, D]; w_ref [E, D]; b_ref [E] f32; p_ref [KS, T, E] f32 scratch;
+    # wt_ref [T, k] f32; e_ref [T, k] int32
+    del cnt_in_ref  # the same buffer as cnt_ref
+    _gemv_kernel(x_ref, w_ref, p_ref, **gemv)
+    # Handshake (the module docstring): the CTA barrier orders every thread's partial-logit stores before
+    # the one thread's gpu-scope acq_rel increment; the program that draws the last ticket then sees them.
+    if on_gpu:  # interpret mode runs the programs one after another (and has no barrier)
+        pltriton.debug_barrier()
+    programs = pl.num_programs(0) * pl.num_programs(1) * pl.num_programs(2)
+    ticket = pltriton.atomic_add(cnt_ref, jnp.int32(0), jnp.int32(1))
+
+    @pl.when(ticket == programs - 1)
+    def _():
+        t, bt = x_ref.shape[0], gemv["bt"]
+        for tb in range(pl.cdiv(t, bt)):  # static: T is a shape
+            rows = jnp.minimum(tb * bt + jnp.arange(bt), t - 1)  # clamped: tail rows repeat the last token
+            logits = p_ref[0, rows, :]
+            for si in range(1, p_ref.shape[0]):
+                logits = logits + p_ref[si, rows, :]
+            wt_ref[rows, :], e_ref[rows, :] = _select_rows(logits, b_ref[...], **select)
+
+
 def _divisor(n: int, want: int) -> int:
     """Largest d ≤ want dividing n (the test dims are not multiples of the Flash tiles)."""
     return next(d for d in range(min(want, n), 0, -1) if n % d == 0)
 
 
-def _gemv(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt, warps, stages, interpret):
-    """Partial logits [KS, T, E] f32."""
+def _gemv_plan(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt):
+    """(_gemv_kernel's options, its grid, the partial logits' shape [KS, T, E])."""
     t, d = x.shape
     n_exp = router_w.shape[0]
     k_splits = _divisor(d, k_splits)
@@ -174,14 +207,8 @@ def _gemv(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt, warp
     be = _divisor(n_exp, be)
     exact_in_bf16 = tensor_core_f32 and x.dtype == router_w.dtype == jnp.bfloat16  # products exact in f32
     dtype = F32 if precision == "f32" and not exact_in_bf16 else jnp.bfloat16
-    return pl.pallas_call(
-        functools.partial(_gemv_kernel, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype),
-        out_shape=jax.ShapeDtypeStruct((k_splits, t, n_exp), F32),
-        grid=(n_exp // be, k_splits, pl.cdiv(t, bt)),
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret,
-        name="moe_router_gemv",
-    )(x, router_w)
+    opts = dict(bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype)
+    return opts, (n_exp // be, k_splits, pl.cdiv(t, bt)), (k_splits, t, n_exp)
 
 
 @functools.partial(
@@ -200,24 +227,46 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
     """
     if precision not in ("f32", "bf16"):
         raise ValueError(f"precision must be 'f32' or 'bf16', got {precision!r}")
-    if select not in ("vector", "serial"):
-        raise ValueError(f"select must be 'vector' or 'serial', got {select!r}")
+    if select not in ("vector", "serial", "fused"):
+        raise ValueError(f"select must be 'vector', 'serial' or 'fused', got {select!r}")
     interpret = resolve_interpret(interpret)
     t = x.shape[0]
     n_exp = router_w.shape[0]
     if topk_group * (n_exp // n_group) < top_k:
         raise ValueError(f"top_k={top_k} needs at least that many experts in the {topk_group} kept groups")
-    partial = _gemv(x, router_w, precision=precision, tensor_core_f32=tensor_core_f32, be=be, bk=bk,
-                    k_splits=k_splits, bt=bt, warps=warps, stages=stages, interpret=interpret)
+    gemv, grid, partial_shape = _gemv_plan(x, router_w, precision=precision, tensor_core_f32=tensor_core_f32,
+                                           be=be, bk=bk, k_splits=k_splits, bt=bt)
+    params = None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     cfg = dict(n_group=n_group, topk_group=topk_group, top_k=top_k, scaling=float(scaling),
                renormalize=bool(renormalize))
+    routed = (jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32))
+    if select == "fused":
+        counter = jnp.zeros((1,), jnp.int32)  # a memset each call: every call starts the handshake at 0
+        _, weights, experts, _ = pl.pallas_call(
+            functools.partial(_gemv_select_kernel, gemv=gemv, select=cfg, on_gpu=not interpret),
+            out_shape=(jax.ShapeDtypeStruct(partial_shape, F32), *routed, jax.ShapeDtypeStruct((1,), jnp.int32)),
+            grid=grid,
+            input_output_aliases={3: 3},
+            compiler_params=params,
+            interpret=interpret,
+            name="moe_router_fused",
+        )(x, router_w, bias.astype(F32), counter)
+        return weights, experts
+    partial = pl.pallas_call(
+        functools.partial(_gemv_kernel, **gemv),
+        out_shape=jax.ShapeDtypeStruct(partial_shape, F32),
+        grid=grid,
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_router_gemv",
+    )(x, router_w)
     if select == "serial":
         kernel = functools.partial(_select_serial_kernel, **cfg)
     else:
         kernel = functools.partial(_select_kernel, **cfg)
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32)),
+        out_shape=routed,
         grid=(t,),
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=select_warps, num_stages=1),
         interpret=interpret,
