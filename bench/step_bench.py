@@ -4,6 +4,10 @@
     python bench/step_bench.py --model flash --tp 4 --kernels pallas --router-precision bf16 --profile prof/
     python bench/step_bench.py --model flash --tp 2 --kernels pallas --graphs split whole
     python bench/step_bench.py --model flash --tp 2 --kernels pallas --rounds-per-call 1 4
+    python bench/step_bench.py --model flash --tp 2 --kernels pallas --kernel-option moe_route:select=fused
+
+A/B in one process: --xla-ops (ops on their XLA references), --xla-option (XLA debug options) and
+--kernel-option (options of the ops' Pallas kernels) each add the pallas variant again, so changed.
 
 For each TP size (random weights made shard by shard on the devices, the same weights for every
 size), kernel set and graph mode (--graphs whole puts the all-reduces inside the CUDA graphs, see
@@ -174,6 +178,7 @@ def compile_then_time(what: str, fn, n: int) -> tuple[float, float]:
 def variant_name(model) -> str:
     xla_ops = f" (xla: {','.join(model.ex.xla_ops)})" if model.ex.xla_ops else ""
     options = "".join(f" {name}={value}" for name, value in model.xla_options)
+    options += "".join(f" {op}:{name}={value}" for op, opts in model.ex.kernel_options for name, value in opts)
     return model.kernels + xla_ops + ("+graph-ar" if model.collectives_in_graphs else "") + options
 
 
@@ -182,14 +187,36 @@ def xla_option(text: str) -> tuple[str, object]:
     name, sep, value = text.partition("=")
     if not sep or not name.startswith("xla_"):
         raise argparse.ArgumentTypeError(f"expected xla_NAME=VALUE, got {text!r}")
+    return name, typed(value)
+
+
+def kernel_option(text: str) -> tuple[str, str, object]:
+    """OP:NAME=VALUE from the command line (OP in lingjax.kernels.OPS): VALUE typed as xla_option's."""
+    op, colon, rest = text.partition(":")
+    name, sep, value = rest.partition("=")
+    if not colon or not sep or not op or not name:
+        raise argparse.ArgumentTypeError(f"expected OP:NAME=VALUE, got {text!r}")
+    return op, name, typed(value)
+
+
+def grouped(kernel_opts) -> tuple:
+    """[(op, name, value), ...] -> Model's kernel_options: ((op, ((name, value), ...)), ...)."""
+    ops = {}
+    for op, name, value in kernel_opts:
+        ops.setdefault(op, []).append((name, value))
+    return tuple((op, tuple(opts)) for op, opts in ops.items())
+
+
+def typed(value: str):
+    """int, float, true/false, or the string given."""
     if value.lower() in ("true", "false"):
-        return name, value.lower() == "true"
+        return value.lower() == "true"
     for kind in (int, float):
         try:
-            return name, kind(value)
+            return kind(value)
         except ValueError:
             pass
-    return name, value
+    return value
 
 
 def progress(text: str) -> None:
@@ -309,6 +336,9 @@ def main():
     ap.add_argument("--xla-option", type=xla_option, action="append", default=[], metavar="xla_NAME=VALUE",
                     help="also time each pallas variant with these XLA debug options in its step programs, in "
                          "the same process (e.g. xla_gpu_experimental_force_split_k=1; repeatable: all at once)")
+    ap.add_argument("--kernel-option", type=kernel_option, action="append", default=[], metavar="OP:NAME=VALUE",
+                    help="also time each pallas variant with these options of the ops' Pallas kernels, in the same "
+                         "process (e.g. moe_route:select=fused, kda_chain:deferred_norms=true; repeatable: all at once)")
     ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--n", type=int, default=32, help="steps per timed batch")
@@ -346,19 +376,20 @@ def main():
         bytes_decode = weight_bytes(base, distinct_1, 1, 0, ctx, tp)
         # round = S-1 MTP draft forwards + verify (width S+1) + draft-extend (one MTP forward)
         bytes_round = weight_bytes(base, distinct_w, width, args.steps, ctx, tp)
-        # (kernels, graphs, xla_ops, xla_options): each kernel set and graph mode, then the pallas ones again
-        # with --xla-ops, then with --xla-option
+        # (kernels, graphs, xla_ops, xla_options, kernel_options): each kernel set and graph mode, then the
+        # pallas ones again with --xla-ops, then with --xla-option, then with --kernel-option
         plain = [(k, g) for k in args.kernels for g in args.graphs]
         pallas = [(k, g) for k, g in plain if k == "pallas"]
-        variants = [(k, g, (), ()) for k, g in plain]
-        variants += [(k, g, tuple(args.xla_ops), ()) for k, g in pallas if args.xla_ops]
-        variants += [(k, g, (), tuple(args.xla_option)) for k, g in pallas if args.xla_option]
-        for kernels, graphs, xla_ops, options in variants:
+        variants = [(k, g, (), (), ()) for k, g in plain]
+        variants += [(k, g, tuple(args.xla_ops), (), ()) for k, g in pallas if args.xla_ops]
+        variants += [(k, g, (), tuple(args.xla_option), ()) for k, g in pallas if args.xla_option]
+        variants += [(k, g, (), (), grouped(args.kernel_option)) for k, g in pallas if args.kernel_option]
+        for kernels, graphs, xla_ops, options, kernel_opts in variants:
             if graphs == "whole" and tp == 1:
                 continue  # no collectives: the same program as split
             model = lingjax.Model(base.module, kernels=kernels, source=args.model, tp=tp, xla_ops=xla_ops,
                                   router_precision=args.router_precision, collectives_in_graphs=graphs == "whole",
-                                  xla_options=options)
+                                  xla_options=options, kernel_options=kernel_opts)
             measured, census = bench_kernels(model, args, prompt, say)
             for kind, name, t, host, k in measured:
                 b = bytes_decode if kind == "decode" else bytes_round

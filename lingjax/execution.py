@@ -4,6 +4,7 @@ body runs inside shard_map (lingjax/sharding.py). Passed down explicitly, static
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,15 @@ class Exec:
     tp_axis: str | None = None  # set inside shard_map: weights and heads are this device's shard
     router_precision: str = "f32"  # "f32" (parity) or "bf16" (declared rounding change), see ops.moe.route
     xla_ops: tuple[str, ...] = ()  # ops that run their XLA reference whatever `kernels` says (A/B of one kernel)
+    # keyword options for ops' Pallas implementations, ((op, ((name, value), ...)), ...): an A/B of a kernel
+    # option inside the whole step (bench/step_bench.py --kernel-option), e.g. the router's select="fused"
+    kernel_options: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
 
     def op(self, name: str):
-        return kernels.get(name, "xla" if name in self.xla_ops else self.kernels)
+        which = "xla" if name in self.xla_ops else self.kernels
+        impl = kernels.get(name, which)
+        options = dict(self.kernel_options).get(name) if which == "pallas" else None
+        return functools.partial(impl, **dict(options)) if options else impl
 
     def psum(self, x: jax.Array) -> jax.Array:
         """The one all-reduce of a row-parallel sub-layer (identity without TP)."""

@@ -84,11 +84,14 @@ class Model:
     tp devices (lingjax/sharding.py) and every program body runs inside shard_map.
     xla_ops: names of lingjax.kernels.OPS that run their XLA reference under any kernel set, to A/B one
     kernel inside the whole step (bench/step_bench.py --xla-ops). xla_options: extra XLA debug options
-    of the step programs (step_jit)."""
+    of the step programs (step_jit). kernel_options: keyword options for ops' Pallas kernels,
+    ((op, ((name, value), ...)), ...), to A/B a kernel option inside the whole step (Exec.kernel_options,
+    bench/step_bench.py --kernel-option)."""
 
     def __init__(self, module: LingModel, kernels: str = "auto", source: str = "", tp: int = 1,
                  router_precision: str = "f32", collectives_in_graphs: bool = False, xla_ops: tuple[str, ...] = (),
-                 xla_options: tuple[tuple[str, object], ...] = ()):
+                 xla_options: tuple[tuple[str, object], ...] = (),
+                 kernel_options: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()):
         self.module = module
         self.collectives_in_graphs = collectives_in_graphs  # see step_jit
         self.xla_options = tuple(xla_options)  # see step_jit
@@ -99,10 +102,12 @@ class Model:
         self.mesh = sharding.make_mesh(tp) if tp > 1 else None
         if router_precision not in ("f32", "bf16"):
             raise ValueError(f"router_precision must be 'f32' or 'bf16', got {router_precision!r}")
-        unknown = set(xla_ops) - set(kernel_sets.OPS)
-        if unknown:
-            raise ValueError(f"xla_ops names unknown ops {sorted(unknown)}; ops: {sorted(kernel_sets.OPS)}")
-        self.ex = Exec(self.kernels, sharding.AXIS if self.mesh else None, router_precision, tuple(xla_ops))
+        for what, names in (("xla_ops", set(xla_ops)), ("kernel_options", {op for op, _ in kernel_options})):
+            if names - set(kernel_sets.OPS):
+                raise ValueError(f"{what} names unknown ops {sorted(names - set(kernel_sets.OPS))}; "
+                                 f"ops: {sorted(kernel_sets.OPS)}")
+        self.ex = Exec(self.kernels, sharding.AXIS if self.mesh else None, router_precision, tuple(xla_ops),
+                       tuple((op, tuple(opts)) for op, opts in kernel_options))
         self.graphdef, params = nnx.split(module)
         param_specs = sharding.param_specs(params)
         self.cache_specs = sharding.cache_spec(jax.eval_shape(lambda: init_cache(self.cfg, 1, self.dtype)))

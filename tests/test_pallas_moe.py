@@ -234,3 +234,27 @@ def test_hf_parity_with_pallas_moe(fixture, monkeypatch):
     logits = model.logits(ref["prompt_ids"])
     assert rel_err(logits, ref["logits"]) <= 1e-4
     assert "route" in calls and "experts" in calls  # the Pallas experts serve every T, prefill included
+
+
+def test_kernel_options_reach_the_kernel(monkeypatch):
+    """Model(kernel_options=...) passes an option to an op's Pallas kernel (the one-launch router here, as
+    step_bench --kernel-option does) and the logits stay HF's."""
+    import lingjax.pallas.moe_router as router_mod
+
+    monkeypatch.setitem(kernels.OPS, "kda_chain", (kernels.OPS["kda_chain"][0], "lingjax.ops.kda:kda_chain"))
+    monkeypatch.setitem(kernels.OPS, "kda_chunked", (kernels.OPS["kda_chunked"][0], "lingjax.ops.kda:kda_chunked"))
+    selects = []
+
+    def spy(*args, **kw):
+        selects.append(kw.get("select", "vector"))
+        return route(*args, **kw)
+
+    monkeypatch.setattr(router_mod, "route", spy)
+    fixture = fixture_dirs()[0]
+    ref = np.load(fixture / "reference.npz")
+    base = lingjax.load(fixture, dtype="float32", kernels="pallas")
+    model = lingjax.Model(base.module, kernels="pallas", kernel_options=(("moe_route", (("select", "fused"),)),))
+    assert rel_err(model.logits(ref["prompt_ids"]), ref["logits"]) <= 1e-4
+    assert selects and set(selects) == {"fused"}
+    with pytest.raises(ValueError, match="kernel_options names unknown ops"):
+        lingjax.Model(base.module, kernels="pallas", kernel_options=(("no_such_op", (("x", 1),)),))
