@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the lingjax of this tree
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_bench import LAUNCH, launch_lines, launch_summary, xla_option  # noqa: E402  (bench/step_bench.py)
+from step_bench import LAUNCH, grouped, kernel_option, launch_lines, launch_summary, xla_option  # noqa: E402
 
 H200 = """
 gpu_device_info {
@@ -128,6 +128,8 @@ def main():
     ap.add_argument("--hlo-out", default=None, help="write each program's optimised HLO here")
     ap.add_argument("--xla-option", type=xla_option, action="append", default=[], metavar="xla_NAME=VALUE",
                     help="XLA debug options for the step programs, as step_bench --xla-option")
+    ap.add_argument("--kernel-option", type=kernel_option, action="append", default=[], metavar="OP:NAME=VALUE",
+                    help="options of the ops' Pallas kernels, as step_bench --kernel-option")
     ap.add_argument("--from-hlo", nargs="+", default=None,
                     help="census of these optimised HLO files instead (--hlo-out's, or step_bench --profile's .gz)")
     args = ap.parse_args()
@@ -150,7 +152,7 @@ def main():
     sharding.place = lambda tree, specs, mesh: tree  # abstract weights stay abstract
     cfg = preset(args.model)
     model = Model(abstract_model(cfg, jnp.bfloat16), args.kernels, source=args.model, tp=args.tp,
-                  xla_options=tuple(args.xla_option))
+                  xla_options=tuple(args.xla_option), kernel_options=grouped(args.kernel_option))
     mesh = model.mesh if model.mesh is not None else jax.sharding.Mesh(np.asarray(devices[:1]), (sharding.AXIS,))
 
     def typed(tree, specs):
@@ -173,6 +175,7 @@ def main():
                  model.spec_program(drafter, sampling, args.rounds_per_call).round, (weights, state))]
 
     options = "".join(f", {name}={value}" for name, value in args.xla_option)
+    options += "".join(f", {op}:{name}={value}" for op, name, value in args.kernel_option)
     print(f"# aot_census: {args.model}, tp {args.tp}, kernels {args.kernels}{options}, jax {jax.__version__}, "
           f"target NVIDIA H200 (deviceless, memory limit as at XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction})")
     texts = []

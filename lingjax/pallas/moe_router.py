@@ -23,9 +23,12 @@ thread that issues the atomic (Pallas lowers atomic_add on a scalar to one threa
 at gpu scope); that release is cumulative, so the last program's acquire (the same atomic) makes every
 program's partials visible to it, and the barrier inside the atomic's broadcast orders its other threads'
 loads after the acquire. Its loads sit under the branch on the ticket, so none can move above the
-atomic. The counter is a fresh zero each call (XLA copies a constant into it: a 4-byte memcpy node). The
-two-launch path above saves that node and the handshake; which is faster is for the H200 to say
-(bench/moe_bench.py's router table). Interpret mode runs programs one after another and checks the
+atomic. The counter is a fresh zero each call: XLA copies a constant into it, a 4-byte memcpy node per
+call. In the deviceless census of the Flash TP2 step (bench/aot_census.py --kernel-option
+moe_route:select=fused) those 40 copies also led XLA to make the all-reduces asynchronous (start/done
+pairs), so the decode step counted 947 launches against 908. Which path is faster is for the H200 to say
+(bench/moe_bench.py's router tables; step_bench --kernel-option moe_route:select=fused in the step). A
+counter zeroed once per step and threaded through the layers would remove the copies. Interpret mode runs programs one after another and checks the
 arithmetic and the last-ticket logic, not the ordering.
 
 precision="f32" (default, parity): the dot is exact-product f32. With bf16 x and weight (a bf16
