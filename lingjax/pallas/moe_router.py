@@ -28,8 +28,8 @@ call. In the deviceless census of the Flash TP2 step (bench/aot_census.py --kern
 moe_route:select=fused) those 40 copies also led XLA to make the all-reduces asynchronous (start/done
 pairs), so the decode step counted 947 launches against 908. Which path is faster is for the H200 to say
 (bench/moe_bench.py's router tables; step_bench --kernel-option moe_route:select=fused in the step). A
-counter zeroed once per step and threaded through the layers would remove the copies. Interpret mode runs programs one after another and checks the
-arithmetic and the last-ticket logic, not the ordering.
+counter zeroed once per step and threaded through the layers would remove the copies. Interpret mode
+runs programs one after another and checks the arithmetic and the last-ticket logic, not the ordering.
 
 precision="f32" (default, parity): the dot is exact-product f32. With bf16 x and weight (a bf16
 checkpoint) every product is exact in f32, so it runs on the tensor cores with f32 accumulation (same
@@ -244,7 +244,7 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
                renormalize=bool(renormalize))
     routed = (jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32))
     if select == "fused":
-        counter = jnp.zeros((1,), jnp.int32)  # a memset each call: every call starts the handshake at 0
+        counter = jnp.zeros((1,), jnp.int32)  # fresh each call (XLA copies a constant): the handshake starts at 0
         _, weights, experts, _ = pl.pallas_call(
             functools.partial(_gemv_select_kernel, gemv=gemv, select=cfg, on_gpu=not interpret),
             out_shape=(jax.ShapeDtypeStruct(partial_shape, F32), *routed, jax.ShapeDtypeStruct((1,), jnp.int32)),
