@@ -16,9 +16,10 @@ lingjax.runtime.step_jit and the Pallas kernels lowered through Triton) and coun
 step_bench does. It also lists the launches of the ENTRY computation and loop bodies by kind. The weights
 are abstract (shapes only), so Flash at any TP compiles on a laptop.
 
-How it makes lingjax take its GPU paths: it reports the default backend as "gpu" to lingjax (Pallas
-not interpreted, step_jit's compiler options, kernels="auto" -> pallas), hands the topology's devices
-to lingjax.sharding, and lowers under an abstract mesh naming the H200 (Pallas reads the target from it).
+How it makes lingjax take its GPU paths: lingjax.target.compile_for("gpu", the topology's devices) (Pallas
+not interpreted, step_jit's compiler options, kernels="auto" -> pallas, the mesh from those devices;
+abstract weights stay abstract in sharding.place), and it lowers under an abstract mesh naming the H200
+(Pallas reads the target from it).
 Not the same as the device: no autotuning, so GEMM tile configs may differ from a real compile; which
 ops fuse into which kernels is the compiler's own decision. bench/results/aot_census_2026-11-30.md
 has Flash's counts at TP2 and TP4. Against a device compile of the same tree (step_bench --profile's saved
@@ -139,8 +140,15 @@ def main():
         return
 
     devices = target_devices(args.tp, args.mem_fraction)
-    jax.default_backend = lambda: "gpu"  # lingjax's GPU paths (module docstring); this process only
-    jax.devices = lambda *a, **k: list(devices)
+    from lingjax import target
+
+    with target.compile_for("gpu", devices):  # lingjax's GPU paths (module docstring)
+        texts = compile_programs(args, devices)
+    print_census(texts)
+
+
+def compile_programs(args, devices) -> list[tuple[str, str]]:
+    """The step programs compiled for `devices` (lingjax.target set to them): [(name, optimised HLO)]."""
     import lingjax.sharding as sharding
     from lingjax import engine
     from lingjax.config import preset
@@ -149,7 +157,6 @@ def main():
     from lingjax.sampling import SamplingParams
     from lingjax.spec.step import SpecState
 
-    sharding.place = lambda tree, specs, mesh: tree  # abstract weights stay abstract
     cfg = preset(args.model)
     model = Model(abstract_model(cfg, jnp.bfloat16), args.kernels, source=args.model, tp=args.tp,
                   xla_options=tuple(args.xla_option), kernel_options=grouped(args.kernel_option))
@@ -189,7 +196,7 @@ def main():
             Path(args.hlo_out).mkdir(parents=True, exist_ok=True)
             (Path(args.hlo_out) / f"{name.split(',')[0].replace(' ', '_').replace('=', '')}.hlo.txt").write_text(text)
         texts.append((name, text))
-    print_census(texts)
+    return texts
 
 
 def print_census(texts):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-import jax
+from lingjax import target
 
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import moe as moe_ops
@@ -51,7 +51,7 @@ def resolve(kernels: str) -> str:
     if kernels not in CHOICES:
         raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
     if kernels == "auto":
-        kernels = "pallas" if jax.default_backend() == "gpu" else "xla"
+        kernels = "pallas" if target.platform() == "gpu" else "xla"
     if kernels == "pallas" and missing_pallas_ops():
         raise NotImplementedError(f"kernels='pallas' needs Pallas kernels not written yet: {missing_pallas_ops()}; "
                                   "use kernels='xla'")

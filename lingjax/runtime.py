@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lingjax import checkpoint, sharding
+from lingjax import checkpoint, sharding, target
 from lingjax.cache import ModelCache, init_cache
 from lingjax.config import PRESETS, LingConfig, preset
 from lingjax.execution import Exec
@@ -52,7 +52,7 @@ def step_jit(fun, collectives_in_graphs: bool = False, xla_options: tuple[tuple[
     other projections of one input (MLA's q/kv_a/g). xla_options: more XLA debug options for these
     programs, (name, value) pairs, e.g. ("xla_gpu_experimental_force_split_k", 1), to A/B a compiler
     choice in one process (bench/step_bench.py --xla-option). Elsewhere plain jax.jit."""
-    if jax.default_backend() == "gpu":
+    if target.platform() == "gpu":
         kwargs["compiler_options"] = {
             "xla_gpu_enable_command_buffer": COMMAND_BUFFERS + (",COLLECTIVES" if collectives_in_graphs else ""),
             "xla_gpu_graph_min_graph_size": 1,

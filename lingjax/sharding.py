@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lingjax import target
 from lingjax.config import KDA, LingConfig
 
 AXIS = "tp"
@@ -47,7 +48,7 @@ _BY_NAME = {
 
 
 def make_mesh(tp: int) -> Mesh:
-    devices = jax.devices()
+    devices = target.devices()
     if tp < 1 or tp > len(devices):
         raise ValueError(f"tp={tp} needs that many devices; {len(devices)} available")
     return Mesh(np.asarray(devices[:tp]), (AXIS,))
@@ -71,8 +72,8 @@ def param_specs(params):
 
 def check_tp(cfg: LingConfig, tp: int) -> None:
     """Enough devices, and every split dim divides evenly; say what does not."""
-    if tp < 1 or tp > len(jax.devices()):
-        raise ValueError(f"tp={tp} needs that many devices; {len(jax.devices())} available")
+    if tp < 1 or tp > len(target.devices()):
+        raise ValueError(f"tp={tp} needs that many devices; {len(target.devices())} available")
     dims = {
         "num_attention_heads (MLA)": cfg.num_heads if any(t != KDA for t in cfg.layer_types) else tp,
         "KDA heads": cfg.kda_num_heads,
@@ -99,5 +100,9 @@ def cache_spec(cache):
 
 
 def place(tree, specs, mesh: Mesh):
-    """device_put every leaf with its NamedSharding: each device receives only its shard."""
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+    """device_put every leaf with its NamedSharding: each device receives only its shard. Abstract leaves
+    (ShapeDtypeStructs: a deviceless compile's weights, bench/aot_census.py) stay as they are."""
+    def put(x, s):
+        return x if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, NamedSharding(mesh, s))
+
+    return jax.tree.map(put, tree, specs)

@@ -9,12 +9,14 @@ maps each onto the reference op it replaces; `lingjax.load(..., kernels="pallas"
 import jax
 import jax.numpy as jnp
 
+from lingjax import target
+
 _NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b [N, K]ᵀ
 
 def resolve_interpret(interpret: bool | None) -> bool:
     """interpret=None means: interpret mode unless the backend is a GPU (chosen by backend, never by
     import failure; the CPU backend only runs Pallas in interpret mode)."""
-    return jax.default_backend() != "gpu" if interpret is None else interpret
+    return target.platform() != "gpu" if interpret is None else interpret
 
 
 def pow2_tile(n: int, want: int) -> int:
