@@ -132,14 +132,16 @@ def test_pallas_kernels_give_the_same_model():
     assert rel_err(pallas.incremental_logits(prompt, 36), xla.incremental_logits(prompt, 36)) < 1e-4
 
 
-def test_kernel_set_auto_and_bad_names(monkeypatch):
+def test_kernel_set_auto_and_bad_names():
     """"auto" is Pallas on a GPU and the XLA references elsewhere; a bad name lists the choices."""
-    from lingjax import kernels
+    import jax
+
+    from lingjax import kernels, target
 
     model = lingjax.load("tiny")
     assert model.kernels == "xla" and lingjax.Model(model.module, source="test").kernels == "xla"  # CPU here
-    monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
-    assert kernels.resolve("auto") == "pallas" and kernels.resolve("xla") == "xla"
+    with target.compile_for("gpu", jax.devices()):
+        assert kernels.resolve("auto") == "pallas" and kernels.resolve("xla") == "xla"
     with pytest.raises(ValueError, match="auto.*xla.*pallas"):
         lingjax.load("tiny", kernels="triton")
 
