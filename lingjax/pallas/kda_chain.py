@@ -119,24 +119,21 @@ def _chain_row(s, vs, decay, k, q, beta, qk, *, st_ref, o_ref, t, h, col0, block
     normalised."""
     # [:, None] here, not in the prologue: T rows x 3 vectors broadcast into the tile's layout ahead of
     # the unrolled chain spill registers at T = 16; the compact 1-D vectors do not
+    def unit(x, i):  # x against raw q (i = 0) or k (i = 1) divided by that norm; as is without norms
+        return x if norms is None else x / norms[i]
+
     kc, decay = k[:, None], decay[:, None]
-    k_unit = kc if norms is None else kc / norms[1]  # the normalised k of the write
+    k_unit = unit(kc, 1)  # the normalised k of the write
     new = []
     for si, v, c in zip(s, vs, col0):
         sd = si * decay  # decay rows
-        u = jnp.sum(sd * kc, axis=0)  # [BV] predict
+        u = unit(jnp.sum(sd * kc, axis=0), 1)  # [BV] predict
         if qk is not None:
-            w = jnp.sum(sd * q[:, None], axis=0)  # [BV] read of the decayed state, beside the predict
-        if norms is not None:
-            u = u / norms[1]
-            w = w / norms[0] if qk is not None else None
+            w = unit(jnp.sum(sd * q[:, None], axis=0), 0)  # [BV] read of the decayed state, beside the predict
         delta = beta * (v - u)
         si = sd + k_unit * delta[None, :]  # delta write
         st_ref[t, h, :, pl.ds(c, block_v)] = si
-        if qk is not None:
-            o = w + qk * delta
-        else:
-            o = jnp.sum(si * q[:, None], axis=0) / (1.0 if norms is None else norms[0])
+        o = w + qk * delta if qk is not None else unit(jnp.sum(si * q[:, None], axis=0), 0)
         o_ref[t, h, pl.ds(c, block_v)] = o
         new.append(si)
     return new
