@@ -160,14 +160,19 @@ def _select_rows(logits, bias, *, n_group, topk_group, top_k, scaling, renormali
     return wts * scaling, ids
 
 
+def _logits(p_ref, rows):
+    """The K-split partial logits [KS, T, E] summed in split order for `rows`: [len(rows), E] f32."""
+    logits = p_ref[0, rows, :]
+    for s in range(1, p_ref.shape[0]):
+        logits = logits + p_ref[s, rows, :]
+    return logits
+
+
 def _select_kernel(p_ref, b_ref, w_ref, e_ref, **cfg):
     # one token per program: p_ref [KS, T, E] f32 partial logits; b_ref [E] f32; w_ref [T, k] f32;
     # e_ref [T, k] int32
     row = pl.ds(pl.program_id(0), 1)
-    logits = p_ref[0, row, :]
-    for s in range(1, p_ref.shape[0]):
-        logits = logits + p_ref[s, row, :]
-    w_ref[row, :], e_ref[row, :] = _select_rows(logits, b_ref[...], **cfg)
+    w_ref[row, :], e_ref[row, :] = _select_rows(_logits(p_ref, row), b_ref[...], **cfg)
 
 
 def _gemv_select_kernel(x_ref, w_ref, b_ref, cnt_in_ref, p_ref, wt_ref, e_ref, cnt_ref, *, gemv, select, on_gpu):
@@ -189,10 +194,7 @@ def _gemv_select_kernel(x_ref, w_ref, b_ref, cnt_in_ref, p_ref, wt_ref, e_ref, c
         t, bt = x_ref.shape[0], gemv["bt"]
         for tb in range(pl.cdiv(t, bt)):  # static: T is a shape
             rows = jnp.minimum(tb * bt + jnp.arange(bt), t - 1)  # clamped: tail rows repeat the last token
-            logits = p_ref[0, rows, :]
-            for si in range(1, p_ref.shape[0]):
-                logits = logits + p_ref[si, rows, :]
-            wt_ref[rows, :], e_ref[rows, :] = _select_rows(logits, b_ref[...], **select)
+            wt_ref[rows, :], e_ref[rows, :] = _select_rows(_logits(p_ref, rows), b_ref[...], **select)
 
 
 def _divisor(n: int, want: int) -> int:
