@@ -49,7 +49,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the lingjax of this tree
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_bench import LAUNCH, grouped, kernel_option, launch_lines, launch_summary, xla_option  # noqa: E402
+from step_bench import (LAUNCH, grouped, kernel_option, launch_lines, launch_summary, options_label,  # noqa: E402
+                        xla_option)
 
 H200 = """
 gpu_device_info {
@@ -181,8 +182,7 @@ def compile_programs(args, devices) -> list[tuple[str, str]]:
                 (f"spec round S={args.steps}, {args.rounds_per_call} per call",
                  model.spec_program(drafter, sampling, args.rounds_per_call).round, (weights, state))]
 
-    options = "".join(f", {name}={value}" for name, value in args.xla_option)
-    options += "".join(f", {op}:{name}={value}" for op, name, value in args.kernel_option)
+    options = options_label(args.xla_option, grouped(args.kernel_option))
     print(f"# aot_census: {args.model}, tp {args.tp}, kernels {args.kernels}{options}, jax {jax.__version__}, "
           f"target NVIDIA H200 (deviceless, memory limit as at XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction})")
     texts = []

@@ -177,9 +177,14 @@ def compile_then_time(what: str, fn, n: int) -> tuple[float, float]:
 
 def variant_name(model) -> str:
     xla_ops = f" (xla: {','.join(model.ex.xla_ops)})" if model.ex.xla_ops else ""
-    options = "".join(f" {name}={value}" for name, value in model.xla_options)
-    options += "".join(f" {op}:{name}={value}" for op, opts in model.ex.kernel_options for name, value in opts)
-    return model.kernels + xla_ops + ("+graph-ar" if model.collectives_in_graphs else "") + options
+    return (model.kernels + xla_ops + ("+graph-ar" if model.collectives_in_graphs else "")
+            + options_label(model.xla_options, model.ex.kernel_options))
+
+
+def options_label(xla_options, kernel_options) -> str:
+    """" NAME=VALUE ... OP:NAME=VALUE ...": XLA debug options, then kernel options grouped as Model takes them."""
+    return ("".join(f" {name}={value}" for name, value in xla_options)
+            + "".join(f" {op}:{name}={value}" for op, opts in kernel_options for name, value in opts))
 
 
 def xla_option(text: str) -> tuple[str, object]:
