@@ -1,7 +1,7 @@
 """KDA chain-verify kernels A/B in one process: this tree's variants against other trees' kernels.
 
   python bench/kda_chain_ab.py [--tree old=/path/to/other/checkout ...] [--ts 1,4,6,16] [--rounds 3]
-                               [--block-v 16,32] [--warps 4] [--deferred-norms] [--fla-json fla.jsonl]
+                               [--block-v 16,32] [--warps 4] [--norms-first] [--fla-json fla.jsonl]
                                [--out ab.json]
 
 Why: the same kernel's time moved ~15% between processes on the H200 (T = 6: 11.7-14.1 µs), more than the
@@ -40,12 +40,12 @@ def load_tree_kernel(label: str, root: str):
     return mod.kda_chain_verify
 
 
-def variants_here(block_vs, warps, deferred_norms=False):
+def variants_here(block_vs, warps, norms_first=False):
     """(label, kda_chain_verify options, the T it runs at or None for all, bit-identity partner label).
-    deferred_norms: each variant also with that option (kda_chain's docstring)."""
+    norms_first: each variant also with deferred_norms=False (kda_chain's docstring)."""
     out = []
-    for deferred in (False, True) if deferred_norms else (False,):
-        extra, sfx = (dict(deferred_norms=True), " deferred") if deferred else ({}, "")
+    for first in (False, True) if norms_first else (False,):
+        extra, sfx = (dict(deferred_norms=False), " norms first") if first else ({}, "")
         out.append((f"default{sfx}", extra, None, None))
         for bv in block_vs:
             for w in warps:
@@ -62,13 +62,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block-v", default="16,32", help="BV of this tree's unrolled and row-loop variants")
     ap.add_argument("--warps", default="4", help="num_warps of those variants")
-    ap.add_argument("--deferred-norms", action="store_true", help="also every variant with deferred_norms")
+    ap.add_argument("--norms-first", action="store_true",
+                    help="also every variant with deferred_norms=False (the norms before the state's sums)")
     ap.add_argument("--fla-json", default=None)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kda_chain_ab.json"))
     a = ap.parse_args()
     ts = [int(t) for t in a.ts.split(",")]
     variants = variants_here([int(x) for x in a.block_v.split(",")], [int(x) for x in a.warps.split(",")],
-                             a.deferred_norms)
+                             a.norms_first)
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     kda_bench._import_kernels_only()

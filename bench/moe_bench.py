@@ -43,7 +43,6 @@ ROUTERS = {  # name -> route() options; "legacy" is the first version, the rest 
     "be=32": dict(be=32),
     "select 2 warps": dict(select_warps=2),
     "select 4 warps": dict(select_warps=4),
-    "one launch (fused select)": dict(select="fused"),
 }
 
 
@@ -200,11 +199,10 @@ def main():
     # (4) whole layers
     say("\n## whole MoE layer (router + routed + shared), per layer, cold weights over %d layers" % n_layers)
     say("previous: LEGACY router in bf16 + shared fused; model path: the f32 router with default options (as the "
-        "model calls it) + shared fused; both: fused_experts makes its own align plan (a launch at T > 1); "
-        "one-launch router: the model path with route(select=\"fused\")")
+        "model calls it) + shared fused; both: fused_experts makes its own align plan (a launch at T > 1)")
     say("| T | distinct experts | floor µs | XLA gather µs (x floor) | Pallas previous µs (x floor) | "
-        "Pallas model path µs (x floor) | speed-up vs previous | one-launch router µs (x floor) |")
-    say("|---|---|---|---|---|---|---|---|")
+        "Pallas model path µs (x floor) | speed-up vs previous |")
+    say("|---|---|---|---|---|---|---|")
     for t in ts:
         xs = [jax.random.normal(jax.random.key(400 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
         dist = np.mean([len(np.unique(np.asarray(moe_ops.route(x, p["router"], p["bias"], **cfg)[1])))
@@ -213,12 +211,11 @@ def main():
         res = []
         for fn in (lambda x, p: xla_layer(x, p, cfg),
                    lambda x, p: pallas_layer(x, p, cfg, ROUTERS["legacy"], precision="bf16"),
-                   lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"]),
-                   lambda x, p: pallas_layer(x, p, cfg, ROUTERS["one launch (fused select)"])):
+                   lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"])):
             res.append(median_seconds(loop_over_layers(fn, n_iter), layers, xs, reps=reps) / (n_iter * n_layers))
         say(f"| {t} | {dist:.1f} | {floor * 1e6:.1f} | {res[0] * 1e6:.1f} ({res[0] / floor:.2f}x) | "
             f"{res[1] * 1e6:.1f} ({res[1] / floor:.2f}x) | {res[2] * 1e6:.1f} ({res[2] / floor:.2f}x) | "
-            f"{res[1] / res[2]:.2f}x | {res[3] * 1e6:.1f} ({res[3] / floor:.2f}x) |")
+            f"{res[1] / res[2]:.2f}x |")
 
     # (5) tile sweep, experts alone (routing from the reference, shared not included)
     say("\n## fused_experts tile sweep (routed experts only; floor = distinct × 11.80 MB); the table above used the defaults (up tile 32 x 256 at every T, bn_down=64, stages=3)")

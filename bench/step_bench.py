@@ -4,7 +4,7 @@
     python bench/step_bench.py --model flash --tp 4 --kernels pallas --router-precision bf16 --profile prof/
     python bench/step_bench.py --model flash --tp 2 --kernels pallas --graphs split whole
     python bench/step_bench.py --model flash --tp 2 --kernels pallas --rounds-per-call 1 4
-    python bench/step_bench.py --model flash --tp 2 --kernels pallas --kernel-option moe_route:select=fused
+    python bench/step_bench.py --model flash --tp 2 --kernels pallas --kernel-option kda_chain:block_v=16
 
 A/B in one process: --xla-ops (ops on their XLA references), --xla-option (XLA debug options) and
 --kernel-option (options of the ops' Pallas kernels) each add the pallas variant again, so changed.
@@ -343,7 +343,7 @@ def main():
                          "the same process (e.g. xla_gpu_experimental_force_split_k=1; repeatable: all at once)")
     ap.add_argument("--kernel-option", type=kernel_option, action="append", default=[], metavar="OP:NAME=VALUE",
                     help="also time each pallas variant with these options of the ops' Pallas kernels, in the same "
-                         "process (e.g. moe_route:select=fused, kda_chain:deferred_norms=true; repeatable: all at once)")
+                         "process (e.g. kda_chain:block_v=16, moe_route:k_splits=2; repeatable: all at once)")
     ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--n", type=int, default=32, help="steps per timed batch")

@@ -19,7 +19,7 @@ class Exec:
     router_precision: str = "f32"  # "f32" (parity) or "bf16" (declared rounding change), see ops.moe.route
     xla_ops: tuple[str, ...] = ()  # ops that run their XLA reference whatever `kernels` says (A/B of one kernel)
     # keyword options for ops' Pallas implementations, ((op, ((name, value), ...)), ...): an A/B of a kernel
-    # option inside the whole step (bench/step_bench.py --kernel-option), e.g. the router's select="fused"
+    # option inside the whole step (bench/step_bench.py --kernel-option), e.g. the chain kernel's block_v
     kernel_options: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
 
     def op(self, name: str):

@@ -27,12 +27,12 @@ def test_malformed_options_are_refused(bad):
 def test_kernel_options_parse_and_group():
     from step_bench import grouped, kernel_option
 
-    opts = [kernel_option("moe_route:select=fused"), kernel_option("kda_chain:deferred_norms=true"),
+    opts = [kernel_option("moe_route:select=serial"), kernel_option("kda_chain:deferred_norms=true"),
             kernel_option("moe_route:k_splits=2")]
     assert opts[1] == ("kda_chain", "deferred_norms", True)
-    assert grouped(opts) == (("moe_route", (("select", "fused"), ("k_splits", 2))),
+    assert grouped(opts) == (("moe_route", (("select", "serial"), ("k_splits", 2))),
                              ("kda_chain", (("deferred_norms", True),)))
-    for bad in ("moe_route", "moe_route:select", ":select=fused", "moe_route:=1"):
+    for bad in ("moe_route", "moe_route:select", ":select=serial", "moe_route:=1"):
         with pytest.raises(argparse.ArgumentTypeError):
             kernel_option(bad)
 
@@ -41,9 +41,9 @@ def test_exec_hands_kernel_options_to_the_pallas_kernel_only():
     from lingjax import kernels
     from lingjax.execution import Exec
 
-    opts = (("moe_route", (("select", "fused"),)),)
+    opts = (("moe_route", (("select", "serial"),)),)
     op = Exec("pallas", kernel_options=opts).op("moe_route")
-    assert op.func is kernels.get("moe_route", "pallas") and op.keywords == {"select": "fused"}
+    assert op.func is kernels.get("moe_route", "pallas") and op.keywords == {"select": "serial"}
     assert Exec("pallas", xla_ops=("moe_route",), kernel_options=opts).op("moe_route") is kernels.get("moe_route", "xla")
     assert Exec("xla", kernel_options=opts).op("moe_route") is kernels.get("moe_route", "xla")
     assert Exec("pallas", kernel_options=opts).op("kda_chain") is kernels.get("kda_chain", "pallas")

@@ -45,10 +45,10 @@ CHAIN_OPTS = {"first": dict(hoist_loads=False, parallel_read=False, row_loop=Fal
               "unrolled": dict(row_loop=False),
               "row-loop": dict(row_loop=True),
               "row-loop-serial-read": dict(row_loop=True, parallel_read=False),
-              "unrolled-deferred": dict(row_loop=False, deferred_norms=True),
-              "row-loop-deferred": dict(row_loop=True, deferred_norms=True),
-              "first-deferred": dict(hoist_loads=False, parallel_read=False, row_loop=False, deferred_norms=True),
-              "row-loop-serial-deferred": dict(row_loop=True, parallel_read=False, deferred_norms=True)}
+              "unrolled-norms-first": dict(row_loop=False, deferred_norms=False),
+              "row-loop-norms-first": dict(row_loop=True, deferred_norms=False),
+              "first-norms-first": dict(hoist_loads=False, parallel_read=False, row_loop=False, deferred_norms=False),
+              "row-loop-serial-norms-first": dict(row_loop=True, parallel_read=False, deferred_norms=False)}
 
 
 def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, rows=None, **opts):

@@ -79,8 +79,7 @@ def _router_inputs(t, d, e):
             0.1 * jax.random.normal(ks[2], (e,)))
 
 
-VARIANTS = {"default": {}, "legacy": LEGACY, "ks=2 select 4 warps": dict(k_splits=2, select_warps=4),
-            "one launch": dict(select="fused")}
+VARIANTS = {"default": {}, "legacy": LEGACY, "ks=2 select 4 warps": dict(k_splits=2, select_warps=4)}
 FLASH_ROUTING = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)
 
 
@@ -237,7 +236,7 @@ def test_hf_parity_with_pallas_moe(fixture, monkeypatch):
 
 
 def test_kernel_options_reach_the_kernel(monkeypatch):
-    """Model(kernel_options=...) passes an option to an op's Pallas kernel (the one-launch router here, as
+    """Model(kernel_options=...) passes an option to an op's Pallas kernel (the router's select here, as
     step_bench --kernel-option does) and the logits stay HF's."""
     import lingjax.pallas.moe_router as router_mod
 
@@ -253,8 +252,8 @@ def test_kernel_options_reach_the_kernel(monkeypatch):
     fixture = fixture_dirs()[0]
     ref = np.load(fixture / "reference.npz")
     base = lingjax.load(fixture, dtype="float32", kernels="pallas")
-    model = lingjax.Model(base.module, kernels="pallas", kernel_options=(("moe_route", (("select", "fused"),)),))
+    model = lingjax.Model(base.module, kernels="pallas", kernel_options=(("moe_route", (("select", "serial"),)),))
     assert rel_err(model.logits(ref["prompt_ids"]), ref["logits"]) <= 1e-4
-    assert selects and set(selects) == {"fused"}
+    assert selects and set(selects) == {"serial"}
     with pytest.raises(ValueError, match="kernel_options names unknown ops"):
         lingjax.Model(base.module, kernels="pallas", kernel_options=(("no_such_op", (("x", 1),)),))

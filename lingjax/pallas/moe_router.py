@@ -14,22 +14,10 @@ Two launches by default, both tiny:
 Ties resolve to the lower index at every stage, as `jax.lax.top_k` does, and experts come out in the
 reference's order (descending biased score).
 
-select="fused" (one launch, off by default: not yet timed or stress-tested on a GPU): the GEMV's programs
-store their partial logits, then each takes a ticket from an arrival counter, and the program that draws
-the last ticket sums the partials and selects for every token (the vector select's _select_rows on
-blocks of tokens). The ordering argument, in the PTX memory model: pltriton.debug_barrier() is a CTA
-barrier (bar.sync), after which every thread's partial-logit stores are performed with respect to the
-thread that issues the atomic (Pallas lowers atomic_add on a scalar to one thread's tt.atomic_rmw, acq_rel
-at gpu scope); that release is cumulative, so the last program's acquire (the same atomic) makes every
-program's partials visible to it, and the barrier inside the atomic's broadcast orders its other threads'
-loads after the acquire. Its loads sit under the branch on the ticket, so none can move above the
-atomic. The counter is a fresh zero each call: XLA copies a constant into it, a 4-byte memcpy node per
-call. In the deviceless census of the Flash TP2 step (bench/aot_census.py --kernel-option
-moe_route:select=fused) those 40 copies also led XLA to make the all-reduces asynchronous (start/done
-pairs), so the decode step counted 947 launches against 908. Which path is faster is for the H200 to say
-(bench/moe_bench.py's router tables; step_bench --kernel-option moe_route:select=fused in the step). A
-counter zeroed once per step and threaded through the layers would remove the copies. Interpret mode
-runs programs one after another and checks the arithmetic and the last-ticket logic, not the ordering.
+A one-launch router (the GEMV's last program to finish selecting for every token, after an arrival
+counter) measured 23.6 µs against the two launches' 8.3 at T = 1 (bench/results/moe_h200x2_2026-11-30.md):
+its selection ran on the GEMV's 16-row, 4-warp blocks and held registers in every program. Removed; the
+code is in commit 3d43402.
 
 precision="f32" (default, parity): the dot is exact-product f32. With bf16 x and weight (a bf16
 checkpoint) every product is exact in f32, so it runs on the tensor cores with f32 accumulation (same
@@ -175,28 +163,6 @@ def _select_kernel(p_ref, b_ref, w_ref, e_ref, **cfg):
     w_ref[row, :], e_ref[row, :] = _select_rows(_logits(p_ref, row), b_ref[...], **cfg)
 
 
-def _gemv_select_kernel(x_ref, w_ref, b_ref, cnt_in_ref, p_ref, wt_ref, e_ref, cnt_ref, *, gemv, select, on_gpu):
-    # select="fused": the gate GEMV's programs (grid and partial logits as _gemv_kernel), then the last
-    # program to finish selects for every token. cnt_in_ref/cnt_ref: the one arrival counter, aliased, zero
-    # at the start of the call; x_ref [T, D]; w_ref [E, D]; b_ref [E] f32; p_ref [KS, T, E] f32 scratch;
-    # wt_ref [T, k] f32; e_ref [T, k] int32
-    del cnt_in_ref  # the same buffer as cnt_ref
-    _gemv_kernel(x_ref, w_ref, p_ref, **gemv)
-    # Handshake (the module docstring): the CTA barrier orders every thread's partial-logit stores before
-    # the one thread's gpu-scope acq_rel increment; the program that draws the last ticket then sees them.
-    if on_gpu:  # interpret mode runs the programs one after another (and has no barrier)
-        pltriton.debug_barrier()
-    programs = pl.num_programs(0) * pl.num_programs(1) * pl.num_programs(2)
-    ticket = pltriton.atomic_add(cnt_ref, jnp.int32(0), jnp.int32(1))
-
-    @pl.when(ticket == programs - 1)
-    def _():
-        t, bt = x_ref.shape[0], gemv["bt"]
-        for tb in range(pl.cdiv(t, bt)):  # static: T is a shape
-            rows = jnp.minimum(tb * bt + jnp.arange(bt), t - 1)  # clamped: tail rows repeat the last token
-            wt_ref[rows, :], e_ref[rows, :] = _select_rows(_logits(p_ref, rows), b_ref[...], **select)
-
-
 def _divisor(n: int, want: int) -> int:
     """Largest d ≤ want dividing n (the test dims are not multiples of the Flash tiles)."""
     return next(d for d in range(min(want, n), 0, -1) if n % d == 0)
@@ -232,8 +198,8 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
     """
     if precision not in ("f32", "bf16"):
         raise ValueError(f"precision must be 'f32' or 'bf16', got {precision!r}")
-    if select not in ("vector", "serial", "fused"):
-        raise ValueError(f"select must be 'vector', 'serial' or 'fused', got {select!r}")
+    if select not in ("vector", "serial"):
+        raise ValueError(f"select must be 'vector' or 'serial', got {select!r}")
     interpret = resolve_interpret(interpret)
     t = x.shape[0]
     n_exp = router_w.shape[0]
@@ -245,18 +211,6 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
     cfg = dict(n_group=n_group, topk_group=topk_group, top_k=top_k, scaling=float(scaling),
                renormalize=bool(renormalize))
     routed = (jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32))
-    if select == "fused":
-        counter = jnp.zeros((1,), jnp.int32)  # fresh each call (XLA copies a constant): the handshake starts at 0
-        _, weights, experts, _ = pl.pallas_call(
-            functools.partial(_gemv_select_kernel, gemv=gemv, select=cfg, on_gpu=not interpret),
-            out_shape=(jax.ShapeDtypeStruct(partial_shape, F32), *routed, jax.ShapeDtypeStruct((1,), jnp.int32)),
-            grid=grid,
-            input_output_aliases={3: 3},
-            compiler_params=params,
-            interpret=interpret,
-            name="moe_router_fused",
-        )(x, router_w, bias.astype(F32), counter)
-        return weights, experts
     partial = pl.pallas_call(
         functools.partial(_gemv_kernel, **gemv),
         out_shape=jax.ShapeDtypeStruct(partial_shape, F32),
