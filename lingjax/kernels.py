@@ -18,6 +18,7 @@ import importlib
 from lingjax import target
 
 from lingjax.ops import kda as kda_ops
+from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
 
 KERNELS = ("xla", "pallas")
@@ -28,6 +29,7 @@ CHOICES = ("auto",) + KERNELS
 OPS = {
     "kda_chain": (kda_ops.kda_chain, "lingjax.pallas.kda_chain:kda_chain_verify"),
     "kda_chunked": (kda_ops.kda_chunked, "lingjax.pallas.kda_prefill:kda_chunked_prefill"),
+    "mla_absorbed": (mla_ops.mla_absorbed, "lingjax.pallas.mla_decode:mla_decode_attention"),
     "moe_route": (moe_ops.route, "lingjax.pallas.moe_router:route"),
     "moe_experts": (moe_ops.experts_gathered, "lingjax.pallas.moe_experts:fused_experts"),
 }

@@ -207,9 +207,9 @@ class MLAAttention(nnx.Module):
             entry = jnp.concatenate([c, k_pe], -1)[: paths.tokens].astype(cache.latent.dtype)
             latent = jax.lax.dynamic_update_slice_in_dim(cache.latent, entry, positions[0], axis=0)
         with jax.named_scope("mla_attention"):
-            core = mla_ops.mla_absorbed if paths.mla_absorbed else mla_ops.mla_expanded
-            o = core(q_nope, q_pe, latent[:, :lat], latent[:, lat:], self.kv_b_proj[...], positions,
-                     cfg.qk_head_dim**-0.5)
+            core = paths.op("mla_absorbed") if paths.mla_absorbed else mla_ops.mla_expanded
+            o = core(q_nope, q_pe, latent, self.kv_b_proj[...], positions, cfg.qk_head_dim**-0.5,
+                     tokens=paths.tokens)
         with jax.named_scope("mla_out"):
             gate = jax.nn.sigmoid(narrow_linear(x, self.g_proj).astype(F32))  # [T, H]
             o = (o * gate[..., None]).astype(x.dtype).reshape(t, h * cfg.v_head_dim)

@@ -40,10 +40,12 @@ def step_jit(fun, collectives_in_graphs: bool = False, xla_options: tuple[tuple[
     ms to 2.0 ms, below the device's time, so the run-ahead loop hides it.
     Collectives stay out of the graphs unless collectives_in_graphs, so each all-reduce splits the
     graph (a TP2 Flash round is ~100 graph launches plus ~90 all-reduces per device, and the host
-    sets the pace). Putting them inside gained nothing on `mid` at TP2, with NCCL or with XLA's
-    one-shot all-reduce kernel, neither host-bound (bench/results/step_flash_h200x2_2026-11-29.md) nor
-    GPU-bound at 4 rounds per call (…_2026-11-30.md), nor on Flash at TP2 (round 1% and decode 4% slower;
-    the idle beside each NCCL kernel grows inside the graphs: …_2026-11-30_run5.md), and a Flash TP4 round
+    sets the pace). (On the H200s XLA already runs its own one-shot all-reduce kernel; NCCL's
+    symmetric buffers and the explicit collective-kernel flags change nothing:
+    bench/results/launch_h200x2_2026-11-30_run2.md.) Putting them inside gained nothing on `mid` at
+    TP2, by default or with XLA's collective kernels forced, neither host-bound
+    (bench/results/step_flash_h200x2_2026-11-29.md) nor GPU-bound at 4 rounds per call (…_2026-11-30.md), nor on Flash at TP2 (round 1% and decode 4% slower;
+    the idle beside each all-reduce kernel grows inside the graphs: …_2026-11-30_run5.md), and a Flash TP4 round
     compiled that way did not finish its timing within 2.5 minutes (…_h200x4_2026-11-29.md).
     XLA's dot merger is off: the Flash profile showed it fusing each KDA layer's five projections
     into one GEMM by copying the five weight matrices into a new buffer every step (26 MB a layer,

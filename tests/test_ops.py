@@ -94,13 +94,16 @@ def test_mla_absorbed_matches_expanded(t):
     k_pe = jax.random.normal(ks[3], (cap, r))
     w_kvb = jax.random.normal(ks[4], (h * (n + v), lat)) / lat**0.5
     positions = jnp.arange(t) + 4
-    a = mla.mla_absorbed(q_nope, q_pe, latent, k_pe, w_kvb, positions, 0.2)
-    b = mla.mla_expanded(q_nope, q_pe, latent, k_pe, w_kvb, positions, 0.2)
+    cache = jnp.concatenate([latent, k_pe], -1)
+    a = mla.mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, 0.2)
+    b = mla.mla_expanded(q_nope, q_pe, cache, w_kvb, positions, 0.2)
     assert rel_err(a, b) < 1e-5
     # slots past each row's position are invisible: poisoning them changes nothing
-    poisoned = latent.at[4 + t:].set(jnp.nan)
-    c = mla.mla_absorbed(q_nope, q_pe, jnp.where(jnp.isnan(poisoned), 1e30, poisoned), k_pe, w_kvb, positions, 0.2)
+    c = mla.mla_absorbed(q_nope, q_pe, cache.at[4 + t:].set(1e30), w_kvb, positions, 0.2)
     assert rel_err(c, a) < 1e-6
+    # tokens: the rows from it on come out zero, the others unchanged
+    d = mla.mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, 0.2, tokens=1)
+    assert rel_err(d[:1], a[:1]) == 0.0 and not np.any(np.asarray(d[1:]))
 
 
 def test_rope_interleaved_is_complex_rotation():

@@ -15,6 +15,7 @@ from jax._src.pallas.triton import gpu_info
 
 from lingjax.pallas.kda_chain import kda_chain_verify
 from lingjax.pallas.kda_prefill import kda_chunked_prefill
+from lingjax.pallas.mla_decode import mla_decode_attention
 from lingjax.pallas.moe_align import moe_align
 from lingjax.pallas.moe_experts import fused_experts
 from lingjax.pallas.moe_router import route
@@ -75,3 +76,11 @@ def test_kda_kernels_lower(tokens, opts):  # by default the row loop at T = 1 an
 def test_skinny_linear_lowers(n, k, out):
     proj = functools.partial(skinny_linear, out_dtype=out, interpret=False)
     assert _triton_calls(proj, S((ROWS, k), BF), S((n, k), BF)) == 1
+
+
+@pytest.mark.parametrize("tokens,opts", [(1, {}), (4, {}), (16, {}), (4, dict(block_l=16, splits=16, num_warps=8))])
+def test_mla_decode_lowers(tokens, opts):
+    """Flash MLA at TP2: 16 heads, nope/rope/value dims 128/64/128, rank 512, the serving bench's capacity."""
+    mla = functools.partial(mla_decode_attention, scale=0.07, tokens=tokens, interpret=False, **opts)
+    args = (S((ROWS, 16, 128), BF), S((ROWS, 16, 64), BF), S((9216, 576), BF), S((16 * 256, 512), BF), S((ROWS,), I32))
+    assert _triton_calls(mla, *args) == 2  # split, combine

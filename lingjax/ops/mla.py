@@ -1,9 +1,10 @@
 """Gated MLA attention core over a latent cache (ling3_architecture.md §4).
 
-The cache holds, per token, the normalised latent c [R] and the roped shared key k_pe [r].
-Two equal forms: `mla_expanded` (expand keys/values through kv_b_proj: prefill) and
-`mla_absorbed` (fold kv_b_proj into the query and output: decode and verify). Query row t sits
-at absolute position positions[t] and sees cache slots j <= positions[t].
+The cache holds, per token, the normalised latent c [R] and the roped shared key k_pe [r], side by side
+in one [L, R + r] row (R = kv_b_proj's input width). Two equal forms: `mla_expanded` (expand keys/values
+through kv_b_proj: prefill) and `mla_absorbed` (fold kv_b_proj into the query and output: decode and
+verify; lingjax.pallas.mla_decode is its kernel). Query row t sits at absolute position positions[t] and
+sees cache slots j <= positions[t].
 """
 
 import jax
@@ -20,9 +21,21 @@ def _masked_softmax(scores: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.nn.softmax(scores, axis=-1)
 
 
-def mla_expanded(q_nope, q_pe, latent, k_pe, w_kvb, positions, scale):
-    """q_nope: [T, H, n]; q_pe: [T, H, r]; latent: [L, R]; k_pe: [L, r]; w_kvb: [H*(n+v), R].
-    Returns o: [T, H, v] f32."""
+def _split(cache, w_kvb):
+    """cache [L, R + r] -> (latent [L, R], k_pe [L, r]); R is kv_b_proj's input width."""
+    rank = w_kvb.shape[-1]
+    return cache[:, :rank], cache[:, rank:]
+
+
+def _zero_past(o, tokens):
+    """Rows from `tokens` on set to zero (None: none), as the Pallas kernel returns them."""
+    return o if tokens is None else jnp.where((jnp.arange(o.shape[0]) < tokens)[:, None, None], o, 0.0)
+
+
+def mla_expanded(q_nope, q_pe, cache, w_kvb, positions, scale, tokens=None):
+    """q_nope: [T, H, n]; q_pe: [T, H, r]; cache: [L, R + r] (latent | k_pe); w_kvb: [H*(n+v), R];
+    positions [T]. Returns o: [T, H, v] f32, zero from row `tokens` on (None: every row computed)."""
+    latent, k_pe = _split(cache, w_kvb)
     h, n = q_nope.shape[1:]
     kv = jnp.einsum("lr,or->lo", latent, w_kvb, preferred_element_type=F32)
     kv = kv.reshape(latent.shape[0], h, -1)  # [L, H, n+v]
@@ -30,17 +43,18 @@ def mla_expanded(q_nope, q_pe, latent, k_pe, w_kvb, positions, scale):
     scores = jnp.einsum("thn,lhn->thl", q_nope.astype(F32), k_nope)
     scores += jnp.einsum("thr,lr->thl", q_pe.astype(F32), k_pe.astype(F32))
     p = _masked_softmax(scores * scale, positions)
-    return jnp.einsum("thl,lhv->thv", p, v)
+    return _zero_past(jnp.einsum("thl,lhv->thv", p, v), tokens)
 
 
-def mla_absorbed(q_nope, q_pe, latent, k_pe, w_kvb, positions, scale):
+def mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, scale, tokens=None):
     """Same arguments and result as mla_expanded; never materialises per-head keys."""
+    latent, k_pe = _split(cache, w_kvb)
     h, n = q_nope.shape[1:]
-    w = w_kvb.reshape(h, -1, w_kvb.shape[-1]).astype(F32)  # [H, n+v, R]
-    w_uk, w_uv = w[:, :n], w[:, n:]
+    w = w_kvb.reshape(h, -1, w_kvb.shape[-1])  # [H, n+v, R]; each half converted to f32 where it is used
+    w_uk, w_uv = w[:, :n].astype(F32), w[:, n:].astype(F32)
     q_lat = jnp.einsum("thn,hnr->thr", q_nope.astype(F32), w_uk)  # [T, H, R]
     scores = jnp.einsum("thr,lr->thl", q_lat, latent.astype(F32))
     scores += jnp.einsum("thr,lr->thl", q_pe.astype(F32), k_pe.astype(F32))
     p = _masked_softmax(scores * scale, positions)
     ctx = jnp.einsum("thl,lr->thr", p, latent.astype(F32))  # [T, H, R]
-    return jnp.einsum("thr,hvr->thv", ctx, w_uv)
+    return _zero_past(jnp.einsum("thr,hvr->thv", ctx, w_uv), tokens)

@@ -1,7 +1,8 @@
 """Pallas GPU kernels, each beside the plain-JAX reference in lingjax/ops/ it is tested against.
 
-kda_chain (fused chain-verify/decode + commit), kda_prefill (chunked prefill), moe_router,
-moe_align (pair-axis align), moe_experts (grouped GEMMs with the SwiGLU epilogue); and skinny_linear
+kda_chain (fused chain-verify/decode + commit), kda_prefill (chunked prefill), mla_decode (absorbed MLA
+attention at decode/verify widths, split-L from the bf16 cache), moe_router, moe_align (pair-axis align),
+moe_experts (grouped GEMMs with the SwiGLU epilogue); and skinny_linear
 (projections at 16 rows), measured but not in the kernel set (its docstring says why). lingjax/kernels.py
 maps each onto the reference op it replaces; `lingjax.load(..., kernels="pallas")` selects them.
 """

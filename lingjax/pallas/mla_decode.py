@@ -1,0 +1,159 @@
+"""Absorbed MLA attention for decode and verify (T <= 16 query rows) in Pallas: split-L flash decoding
+straight from the bf16 latent cache, reading only the slots the rows can see.
+
+XLA's form of lingjax.ops.mla.mla_absorbed converts the whole cache (all `capacity` slots, 9216 in the
+serving bench) to f32 once per layer and forward, writes that copy and reads it back for the scores and
+again for the context, in ~10 launches whatever the context length. Here:
+  1. `_split_kernel`, grid (split s, block of BM query rows): each (token, head) row's scores against a
+     tile of BL cache slots are q_lat · c + q_pe · k_pe (the cache row is [c | k_pe], R + r wide), masked
+     to slots <= the row's position, folded into an online softmax (running max m, sum l, context acc
+     [BM, R] = Σ p c). Split s takes tiles s, s + S, s + 2S, ... and stops after the block's last visible
+     tile, so a 256-token context reads 256 slots, not the capacity. Writes (m, l) per split, and acc
+     where the split had tiles.
+  2. `_combine_kernel`, grid (block of BM rows over all `rows` x H rows, BR columns of R): the splits'
+     partials summed in split order, ctx = Σ e^{m_s - M} acc_s / Σ e^{m_s - M} l_s, reading acc of the
+     splits that had tiles only; rows past `tokens` are zeros. (A first version summed all S splits' acc
+     in one program per row block: at T = 1 that one program streamed S x 32 KB, and the pair took
+     45-470 µs on the H200, against XLA's 79.)
+kv_b_proj's two halves stay in XLA on either side: q_lat = q_nope W_uk (on all rows, as the reference,
+then sliced) and o = ctx W_uv.
+
+Row invariance (lingjax.model: a verify's row t must equal plain decode's row bit for bit): a row's
+result depends on its own q, position and the cache alone. The tile-to-split map is fixed (it does not
+follow the other rows' positions), and a tile a row cannot see leaves its (m, l, acc) exactly as they
+were: its scores are -inf, so alpha = e^0 = 1 and p = 0. Each dot's rows are independent, and both
+kernels' shapes and loop orders are the same at every T.
+
+Dots take f32 operands at the GPU's default precision (tf32 on the H200, like XLA's f32 einsums of the
+reference path); interpret mode on the CPU computes them in f32.
+
+Reference: lingjax.ops.mla.mla_absorbed (math in ling3_architecture.md §4).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from lingjax.pallas import pow2_tile, resolve_interpret
+
+F32 = jnp.float32
+BM = 16  # query rows per program: the tensor cores' minimum M; one token's heads at H = 16 (Flash at TP2)
+_NT = (((1,), (1,)), ((), ()))  # a [M, K] · b [N, K]ᵀ
+
+
+def _split_kernel(qr_ref, qp_ref, pos_ref, cache_ref, acc_ref, m_ref, l_ref, *, heads, real, block_l, splits,
+                  scale):
+    # qr_ref [rows x H, R] f32 and qp_ref [rows x H, r], row t*H + h; pos_ref [rows] int32; cache_ref
+    # [L, R + r] -> acc_ref [S, N, R] f32, m_ref / l_ref [S, N] f32 for the first `real` = T x H rows
+    # (N: `real` rounded up to BM; the rows between are padding, seeing nothing)
+    s, b = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(b * BM, BM)
+    idx = b * BM + jnp.arange(BM)
+    src = jnp.minimum(idx, real - 1)  # the inputs' rows (a padding row re-reads the last real one)
+    q_lat, q_pe = qr_ref[src, :], qp_ref[src, :].astype(F32)
+    pos = jnp.where(idx < real, pos_ref[src // heads], -1)
+    rank, r = qr_ref.shape[1], qp_ref.shape[1]
+    tiles = jnp.max(pos) // block_l + 1  # tiles holding a slot some row of this block sees (0 if none)
+    trips = jnp.maximum(tiles - s + splits - 1, 0) // splits
+
+    def tile(j, carry):
+        m, l, acc = carry
+        start = pl.multiple_of((s + j * splits) * block_l, block_l)
+        lat = cache_ref[pl.ds(start, block_l), pl.ds(0, rank)].astype(F32)  # [BL, R]
+        k_pe = cache_ref[pl.ds(start, block_l), pl.ds(rank, r)].astype(F32)  # [BL, r]
+        scores = jax.lax.dot_general(q_lat, lat, _NT, preferred_element_type=F32)
+        scores = (scores + jax.lax.dot_general(q_pe, k_pe, _NT, preferred_element_type=F32)) * scale
+        slots = start + jnp.arange(block_l)
+        scores = jnp.where(slots[None, :] <= pos[:, None], scores, -jnp.inf)  # [BM, BL]
+        m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+        base = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no slot seen yet: keep e^(-inf - base) = 0
+        alpha = jnp.exp(m - base)
+        p = jnp.exp(scores - base[:, None])
+        acc = acc * alpha[:, None] + jnp.dot(p, lat, preferred_element_type=F32)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+    init = (jnp.full((BM,), -jnp.inf, F32), jnp.zeros((BM,), F32), jnp.zeros((BM, rank), F32))
+    m, l, acc = jax.lax.fori_loop(0, trips, tile, init)
+    m_ref[s, rows] = m  # a split without tiles: m = -inf, l = 0 (its acc is never read)
+    l_ref[s, rows] = l
+
+    @pl.when(trips > 0)
+    def _():
+        acc_ref[s, rows, :] = acc
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, pos_ref, o_ref, *, heads, real, block_l, block_r):
+    # acc_ref [S, N, R], m_ref / l_ref [S, N] (N: the split kernel's rows) -> o_ref [rows x H, R] f32, columns
+    # [c BR, (c + 1) BR) of one block of BM rows
+    b, c = pl.program_id(0), pl.program_id(1)
+    idx = b * BM + jnp.arange(BM)
+    cols = pl.ds(c * block_r, block_r)
+
+    @pl.when(b * BM < real)
+    def _():
+        rows = pl.ds(b * BM, BM)
+        splits = acc_ref.shape[0]
+        m = m_ref[:, rows]  # [S, BM]
+        top = jnp.max(m, axis=0)
+        top = jnp.where(top == -jnp.inf, 0.0, top)  # padding rows: nothing seen
+        den = jnp.sum(jnp.exp(m - top[None, :]) * l_ref[:, rows], axis=0)  # e^-inf = 0: splits a row saw nothing in
+        pos = jnp.where(idx < real, pos_ref[jnp.minimum(idx, real - 1) // heads], -1)
+        active = jnp.minimum(jnp.max(pos) // block_l + 1, splits)  # the splits that had tiles (as _split_kernel)
+
+        def add(s, num):  # split order, the same at every T; a split a row saw nothing in adds exact zeros
+            return num + jnp.exp(m_ref[s, rows] - top)[:, None] * acc_ref[s, rows, cols]
+
+        num = jax.lax.fori_loop(0, active, add, jnp.zeros((BM, block_r), F32))
+        o_ref[rows, cols] = jnp.where((idx < real)[:, None], num / den[:, None], 0.0)
+
+    @pl.when(b * BM >= real)
+    def _():
+        o_ref[pl.ds(b * BM, BM), cols] = jnp.zeros((BM, block_r), F32)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tokens", "block_l", "splits", "num_warps", "interpret"))
+def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens=None, block_l: int = 32,
+                         splits: int = 32, num_warps: int = 4, interpret=None):
+    """Same arguments and result as lingjax.ops.mla.mla_absorbed: q_nope [rows, H, n], q_pe [rows, H, r],
+    cache [L, R + r] (latent | k_pe), w_kvb [H*(n+v), R], positions [rows] -> o [rows, H, v] f32, zero
+    past row `tokens`. block_l: cache slots per tile (a power of 2 dividing L, at most this);
+    splits: programs along the cache per block of rows."""
+    rows, h, n = q_nope.shape
+    rank = w_kvb.shape[-1]
+    r = q_pe.shape[-1]
+    tokens = rows if tokens is None else tokens
+    assert cache.shape[1] == rank + r and 1 <= tokens <= rows, (cache.shape, rank, r, tokens, rows)
+    block_l = pow2_tile(cache.shape[0], block_l)
+    interpret = resolve_interpret(interpret)
+    w = w_kvb.reshape(h, -1, rank)  # [H, n+v, R]; each half converted to f32 where it is used (in its GEMM)
+    w_uk, w_uv = w[:, :n].astype(F32), w[:, n:].astype(F32)
+    q_lat = jnp.einsum("thn,hnr->thr", q_nope.astype(F32), w_uk)  # every row, as the reference (row invariance)
+    real = tokens * h
+    n_rows = pl.cdiv(real, BM) * BM
+    params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    acc, m, l = pl.pallas_call(
+        functools.partial(_split_kernel, heads=h, real=real, block_l=block_l, splits=splits, scale=float(scale)),
+        grid=(splits, n_rows // BM),
+        out_shape=(jax.ShapeDtypeStruct((splits, n_rows, rank), F32), jax.ShapeDtypeStruct((splits, n_rows), F32),
+                   jax.ShapeDtypeStruct((splits, n_rows), F32)),
+        compiler_params=params,
+        interpret=interpret,
+        name="mla_decode_split",
+    )(q_lat.reshape(rows * h, rank), q_pe.reshape(rows * h, r), positions.astype(jnp.int32), cache)
+    out_rows = pl.cdiv(rows * h, BM) * BM
+    block_r = pow2_tile(rank, 128)
+    ctx = pl.pallas_call(
+        functools.partial(_combine_kernel, heads=h, real=real, block_l=block_l, block_r=block_r),
+        grid=(out_rows // BM, rank // block_r),
+        out_shape=jax.ShapeDtypeStruct((out_rows, rank), F32),
+        compiler_params=params,
+        interpret=interpret,
+        name="mla_decode_combine",
+    )(acc, m, l, positions.astype(jnp.int32))
+    ctx = ctx[: rows * h].reshape(rows, h, rank)
+    return jnp.einsum("thr,hvr->thv", ctx, w_uv)
