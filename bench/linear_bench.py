@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from lingjax.config import preset
 from lingjax.ops.linear import linear
 from lingjax.pallas.skinny_linear import skinny_linear
-from measure import median_seconds, read_bandwidth, rel  # bench/measure.py, beside this script
+from measure import floor_row, median_seconds, read_bandwidth, rel, run_or_report  # bench/measure.py, beside this script
 from report import Report  # bench/report.py, beside this script
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -104,17 +104,15 @@ def main():
         fns = {"XLA einsum": lambda a, b: linear(a, b, out)}
         fns.update({f"pallas {lbl}": (lambda a, b, o=o: skinny_linear(a, b, out, **o)) for lbl, o in VARIANTS.items()})
         for label, fn in fns.items():
-            try:
-                err = rel(jax.jit(fn)(x, ws[0]), want)
-                us = median_seconds(timing_loop(fn, iters), x, ws, reps=reps) / (iters * copies) * 1e6
-            except Exception as e:  # a variant that fails to compile is reported, the rest still run
-                say(f"| {name} | {n} x {k} | {label} | failed: {type(e).__name__}: {str(e)[:80]} | | | |")
-                fails.append(f"{name} {label}")
+            done = run_or_report(lambda: (rel(jax.jit(fn)(x, ws[0]), want), median_seconds(
+                timing_loop(fn, iters), x, ws, reps=reps) / (iters * copies) * 1e6),
+                say, f"| {name} | {n} x {k} | {label} |", 3, fails, f"{name} {label}")
+            if done is None:
                 continue
+            err, us = done
             ok = err <= (1e-2 if out == BF16 else 1e-5)
             fails += [] if ok else [f"{name} {label} err {err:.1e}"]
-            say(f"| {name} | {n} x {k} | {label} | {us:.2f} | {floor_us:.2f} | {us / floor_us:.2f} | "
-                f"{err:.1e}{'' if ok else ' FAIL'} |")
+            say(floor_row(f"| {name} | {n} x {k} | {label} |", us, floor_us, err, ok))
     say("\n" + ("all variants match XLA" if not fails else "FAILURES: " + "; ".join(fails)))
     return 1 if fails else 0
 

@@ -37,3 +37,19 @@ def rel(got, want) -> float:
     """max |got - want| / max |want|; inf when got holds a NaN or an infinity."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)) if np.isfinite(got).all() else float("inf")
+
+
+def run_or_report(run, say, row: str, empty: int, fails: list, name: str):
+    """run()'s result; if it raises (a variant that fails to compile), None after printing `row` with the
+    error and `empty` empty cells as a table row and adding `name` to fails, so the other variants still run."""
+    try:
+        return run()
+    except Exception as e:
+        say(f"{row} failed: {type(e).__name__}: {str(e)[:80]} |" + " |" * empty)
+        fails.append(name)
+        return None
+
+
+def floor_row(row: str, us: float, floor_us: float, err: float, ok: bool) -> str:
+    """A timed variant's table row: `row` (its leading cells), µs, floor µs, x floor, rel. err (FAIL if not ok)."""
+    return f"{row} {us:.2f} | {floor_us:.2f} | {us / floor_us:.2f} | {err:.1e}{'' if ok else ' FAIL'} |"

@@ -27,7 +27,7 @@ import numpy as np
 from lingjax.config import preset
 from lingjax.ops.mla import mla_absorbed
 from lingjax.pallas.mla_decode import mla_decode_attention
-from measure import median_seconds, read_bandwidth, rel  # bench/measure.py, beside this script
+from measure import floor_row, median_seconds, read_bandwidth, rel, run_or_report  # bench/measure.py, beside this script
 from report import Report  # bench/report.py, beside this script
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -107,22 +107,19 @@ def main():
             want = jax.jit(call(None, t, scale, interp))(q_nope, q_pe, caches[0], w, positions)
             for label, opts in [("XLA (mla_absorbed)", None)] + [(f"pallas {k}", o) for k, o in VARIANTS.items()]:
                 fn = call(opts, t, scale, interp)
-                try:
-                    got = jax.jit(fn)(q_nope, q_pe, caches[0], w, positions)
-                    err = rel(got[:t], want[:t])
-                    us = median_seconds(timing_loop(fn, iters), q_nope, q_pe, caches, w, positions, reps=reps)
-                    us = us / (iters * copies) * 1e6
-                except Exception as e:  # a variant that fails to compile is reported, the rest still run
-                    say(f"| {t} | {ctx} | {label} | failed: {type(e).__name__}: {str(e)[:80]} | | | |")
-                    fails.append(f"T={t} ctx={ctx} {label}")
+                done = run_or_report(lambda: (jax.jit(fn)(q_nope, q_pe, caches[0], w, positions), median_seconds(
+                    timing_loop(fn, iters), q_nope, q_pe, caches, w, positions, reps=reps) / (iters * copies) * 1e6),
+                    say, f"| {t} | {ctx} | {label} |", 3, fails, f"T={t} ctx={ctx} {label}")
+                if done is None:
                     continue
+                got, us = done
+                err = rel(got[:t], want[:t])
                 ok = err <= 5e-3
                 if opts is not None and t > 1:  # row 0 must equal the T = 1 call's row 0 bit for bit
                     row0 = jax.jit(call(opts, 1, scale, interp))(q_nope, q_pe, caches[0], w, positions)[0]
                     ok = ok and np.array_equal(np.asarray(row0), np.asarray(got[0]))
                 fails += [] if ok else [f"T={t} ctx={ctx} {label} err {err:.1e} (or row 0 not bit-equal to T=1)"]
-                say(f"| {t} | {ctx} | {label} | {us:.2f} | {floor_us:.2f} | {us / floor_us:.2f} | "
-                    f"{err:.1e}{'' if ok else ' FAIL'} |")
+                say(floor_row(f"| {t} | {ctx} | {label} |", us, floor_us, err, ok))
     say("\n" + ("all variants match XLA (and rows bit-equal across T)" if not fails else "FAILURES: " + "; ".join(fails)))
     return 1 if fails else 0
 
