@@ -38,6 +38,8 @@ VARIANTS = {  # label -> mla_decode_attention options
     "bl32 s64": dict(splits=64),
     "bl32 s32 w8": dict(num_warps=8),
     "bl64 s64 w8": dict(block_l=64, splits=64, num_warps=8),
+    "block combine": dict(combine="block"),
+    "block combine s64": dict(splits=64, combine="block"),
 }
 
 

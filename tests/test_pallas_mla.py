@@ -36,14 +36,16 @@ def _check(seed, rows, tokens, h, cap, start, dtype=jnp.float32, **opts):
     return o
 
 
+@pytest.mark.parametrize("combine", ["loop", "block"])
 @pytest.mark.parametrize("tokens", [1, 4, 16])
 @pytest.mark.parametrize("h", [16, 3])  # one token per block of 16 rows (Flash at TP2); blocks across tokens
-def test_matches_reference(tokens, h):
-    _check(0, 16, tokens, h, 64, 5)
-    _check(1, tokens, tokens, h, 64, 64 - tokens)  # the last slot of the cache, no padding rows
+def test_matches_reference(tokens, h, combine):
+    _check(0, 16, tokens, h, 64, 5, combine=combine)
+    _check(1, tokens, tokens, h, 64, 64 - tokens, combine=combine)  # the last slot of the cache, no padding rows
 
 
-@pytest.mark.parametrize("opts", [dict(block_l=4, splits=3), dict(block_l=8, splits=1), dict(block_l=16, splits=64)])
+@pytest.mark.parametrize("opts", [dict(block_l=4, splits=3), dict(block_l=8, splits=1), dict(block_l=16, splits=64),
+                                  dict(block_l=4, splits=4, combine="block"), dict(block_l=8, splits=32, combine="block")])
 def test_tiles_and_splits(opts):
     """Tiles and splits change only the rounding order; more splits than tiles leave splits empty."""
     for start in (0, 17, 40):
@@ -62,16 +64,18 @@ def test_bf16_cache_and_far_slots_unread():
     assert rel_err(o, mla.mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, 0.3, tokens=4)) <= 1e-5
 
 
-def test_row_invariance():
+@pytest.mark.parametrize("h,combine", [(16, "loop"), (16, "block"), (6, "loop"), (6, "block")])
+def test_row_invariance(h, combine):
     """Row j's result is the same bit for bit whatever T and the padding rows hold (a verify equals
-    plain decode): tokens 1, 4 and 7 over the same rows, and the real rows alone."""
-    h, cap = 16, 128
+    plain decode): tokens 1, 4 and 7 over the same rows, and the real rows alone. h = 6: blocks of 16
+    rows mix tokens, so a row's block sees further at larger T."""
+    cap = 128
     q_nope, q_pe, cache, w_kvb = _inputs(4, 16, h, cap, jnp.bfloat16)
-    positions = 50 + jnp.arange(16)
-    out = {t: np.asarray(mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, 0.3, tokens=t, block_l=8,
-                                              splits=4)) for t in (1, 4, 7)}
+    positions = 50 + 3 * jnp.arange(16)
+    cfg = dict(block_l=8, splits=4, combine=combine)
+    out = {t: np.asarray(mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, 0.3, tokens=t, **cfg))
+           for t in (1, 4, 7)}
     for t in (1, 4):
         assert np.array_equal(out[t][:t], out[7][:t])
-    alone = mla_decode_attention(q_nope[:4], q_pe[:4], cache, w_kvb, positions[:4], 0.3, tokens=4, block_l=8,
-                                 splits=4)
+    alone = mla_decode_attention(q_nope[:4], q_pe[:4], cache, w_kvb, positions[:4], 0.3, tokens=4, **cfg)
     assert np.array_equal(np.asarray(alone), out[4][:4])

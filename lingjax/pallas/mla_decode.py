@@ -15,6 +15,11 @@ again for the context, in ~10 launches whatever the context length. Here:
      splits that had tiles only; rows past `tokens` are zeros. (A first version summed all S splits' acc
      in one program per row block: at T = 1 that one program streamed S x 32 KB, and the pair took
      45-470 µs on the H200, against XLA's 79.)
+     combine="block" (off by default: not yet timed on a GPU) loads all S splits' partials as one
+     [S, BM, BR] block per program and sums them in one reduction, where "loop" walks the splits in a
+     while loop that Triton does not pipeline (each step waits on its load: ~32 steps at 8192 tokens,
+     probably most of the kernel pair's time there). The split kernel then writes acc = 0 for empty
+     splits too.
 kv_b_proj's two halves stay in XLA on either side: q_lat = q_nope W_uk (on all rows, as the reference,
 then sliced) and o = ctx W_uv.
 
@@ -47,7 +52,7 @@ _NT = (((1,), (1,)), ((), ()))  # a [M, K] · b [N, K]ᵀ
 
 
 def _split_kernel(qr_ref, qp_ref, pos_ref, cache_ref, acc_ref, m_ref, l_ref, *, heads, real, block_l, splits,
-                  scale):
+                  scale, write_empty):
     # qr_ref [rows x H, R] f32 and qp_ref [rows x H, r], row t*H + h; pos_ref [rows] int32; cache_ref
     # [L, R + r] -> acc_ref [S, N, R] f32, m_ref / l_ref [S, N] f32 for the first `real` = T x H rows
     # (N: `real` rounded up to BM; the rows between are padding, seeing nothing)
@@ -79,10 +84,10 @@ def _split_kernel(qr_ref, qp_ref, pos_ref, cache_ref, acc_ref, m_ref, l_ref, *, 
 
     init = (jnp.full((BM,), -jnp.inf, F32), jnp.zeros((BM,), F32), jnp.zeros((BM, rank), F32))
     m, l, acc = jax.lax.fori_loop(0, trips, tile, init)
-    m_ref[s, rows] = m  # a split without tiles: m = -inf, l = 0 (its acc is never read)
+    m_ref[s, rows] = m  # a split without tiles: m = -inf, l = 0 (and acc = 0, written if write_empty)
     l_ref[s, rows] = l
 
-    @pl.when(trips > 0)
+    @pl.when((trips > 0) | write_empty)
     def _():
         acc_ref[s, rows, :] = acc
 
@@ -116,13 +121,39 @@ def _combine_kernel(acc_ref, m_ref, l_ref, pos_ref, o_ref, *, heads, real, block
         o_ref[pl.ds(b * BM, BM), cols] = jnp.zeros((BM, block_r), F32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tokens", "block_l", "splits", "num_warps", "interpret"))
+def _combine_block_kernel(acc_ref, m_ref, l_ref, o_ref, *, real, block_r):
+    # combine="block": the same contract as _combine_kernel's, every split's partials loaded as one
+    # [S, BM, BR] block and summed over S at once (the split kernel wrote acc = 0 for splits without tiles)
+    b, c = pl.program_id(0), pl.program_id(1)
+    idx = b * BM + jnp.arange(BM)
+    cols = pl.ds(c * block_r, block_r)
+
+    @pl.when(b * BM < real)
+    def _():
+        rows = pl.ds(b * BM, BM)
+        m = m_ref[:, rows]  # [S, BM]
+        top = jnp.max(m, axis=0)
+        w = jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top)[None, :])  # 0 for a split a row saw nothing in
+        den = jnp.sum(w * l_ref[:, rows], axis=0)
+        num = jnp.sum(w[:, :, None] * acc_ref[:, rows, cols], axis=0)  # [BM, BR]; one tree over S at every T
+        o_ref[rows, cols] = jnp.where((idx < real)[:, None], num / den[:, None], 0.0)
+
+    @pl.when(b * BM >= real)
+    def _():
+        o_ref[pl.ds(b * BM, BM), cols] = jnp.zeros((BM, block_r), F32)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tokens", "block_l", "splits", "num_warps", "combine",
+                                             "interpret"))
 def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens=None, block_l: int = 32,
-                         splits: int = 32, num_warps: int = 4, interpret=None):
+                         splits: int = 32, num_warps: int = 4, combine: str = "loop", interpret=None):
     """Same arguments and result as lingjax.ops.mla.mla_absorbed: q_nope [rows, H, n], q_pe [rows, H, r],
     cache [L, R + r] (latent | k_pe), w_kvb [H*(n+v), R], positions [rows] -> o [rows, H, v] f32, zero
     past row `tokens`. block_l: cache slots per tile (a power of 2 dividing L, at most this);
-    splits: programs along the cache per block of rows."""
+    splits: programs along the cache per block of rows. combine: "loop" (the splits that had tiles, one
+    after another) or "block" (every split in one load; the module docstring)."""
+    if combine not in ("loop", "block"):
+        raise ValueError(f"combine must be 'loop' or 'block', got {combine!r}")
     rows, h, n = q_nope.shape
     rank = w_kvb.shape[-1]
     r = q_pe.shape[-1]
@@ -137,7 +168,8 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
     n_rows = pl.cdiv(real, BM) * BM
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
     acc, m, l = pl.pallas_call(
-        functools.partial(_split_kernel, heads=h, real=real, block_l=block_l, splits=splits, scale=float(scale)),
+        functools.partial(_split_kernel, heads=h, real=real, block_l=block_l, splits=splits, scale=float(scale),
+                          write_empty=combine == "block"),
         grid=(splits, n_rows // BM),
         out_shape=(jax.ShapeDtypeStruct((splits, n_rows, rank), F32), jax.ShapeDtypeStruct((splits, n_rows), F32),
                    jax.ShapeDtypeStruct((splits, n_rows), F32)),
@@ -146,14 +178,20 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
         name="mla_decode_split",
     )(q_lat.reshape(rows * h, rank), q_pe.reshape(rows * h, r), positions.astype(jnp.int32), cache)
     out_rows = pl.cdiv(rows * h, BM) * BM
-    block_r = pow2_tile(rank, 128)
+    if combine == "loop":
+        block_r = pow2_tile(rank, 128)
+        kernel = functools.partial(_combine_kernel, heads=h, real=real, block_l=block_l, block_r=block_r)
+        args = (acc, m, l, positions.astype(jnp.int32))
+    else:
+        block_r = pow2_tile(rank, max(16, 16384 // (splits * BM)))  # ~16K partials per program
+        kernel, args = functools.partial(_combine_block_kernel, real=real, block_r=block_r), (acc, m, l)
     ctx = pl.pallas_call(
-        functools.partial(_combine_kernel, heads=h, real=real, block_l=block_l, block_r=block_r),
+        kernel,
         grid=(out_rows // BM, rank // block_r),
         out_shape=jax.ShapeDtypeStruct((out_rows, rank), F32),
         compiler_params=params,
         interpret=interpret,
         name="mla_decode_combine",
-    )(acc, m, l, positions.astype(jnp.int32))
+    )(*args)
     ctx = ctx[: rows * h].reshape(rows, h, rank)
     return jnp.einsum("thr,hvr->thv", ctx, w_uv)
