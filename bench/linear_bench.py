@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from lingjax.config import preset
 from lingjax.ops.linear import linear
 from lingjax.pallas.skinny_linear import skinny_linear
-from measure import floor_row, median_seconds, read_bandwidth, rel, run_or_report  # bench/measure.py, beside this script
+from measure import floor_row, median_seconds, read_bandwidth, rel, run_or_report  # bench/measure.py
 from report import Report  # bench/report.py, beside this script
 
 BF16, F32 = jnp.bfloat16, jnp.float32

@@ -27,7 +27,7 @@ import numpy as np
 from lingjax.config import preset
 from lingjax.ops.mla import mla_absorbed
 from lingjax.pallas.mla_decode import mla_decode_attention
-from measure import floor_row, median_seconds, read_bandwidth, rel, run_or_report  # bench/measure.py, beside this script
+from measure import floor_row, median_seconds, read_bandwidth, rel, run_or_report  # bench/measure.py
 from report import Report  # bench/report.py, beside this script
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -84,7 +84,8 @@ def main():
     scale = cfg.qk_head_dim**-0.5
     say = Report(args.out)
     say(f"# Absorbed MLA attention, {args.model if not args.smoke else 'tiny'} TP{args.tp} share ({h} heads, rank "
-        f"{rank}, rope {r}), {ROWS} rows, capacity {capacity}, {jax.devices()[0].device_kind} ({jax.default_backend()})")
+        f"{rank}, rope {r}), {ROWS} rows, capacity {capacity}, "
+        f"{jax.devices()[0].device_kind} ({jax.default_backend()})")
     say(f"date {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, jax {jax.__version__}")
     say("command: python bench/mla_bench.py " + " ".join(sys.argv[1:]))
     bw = read_bandwidth(1 << 20) if args.smoke else read_bandwidth()
@@ -122,7 +123,8 @@ def main():
                     ok = ok and np.array_equal(np.asarray(row0), np.asarray(got[0]))
                 fails += [] if ok else [f"T={t} ctx={ctx} {label} err {err:.1e} (or row 0 not bit-equal to T=1)"]
                 say(floor_row(f"| {t} | {ctx} | {label} |", us, floor_us, err, ok))
-    say("\n" + ("all variants match XLA (and rows bit-equal across T)" if not fails else "FAILURES: " + "; ".join(fails)))
+    passed = "all variants match XLA (and rows bit-equal across T)"
+    say("\n" + (passed if not fails else "FAILURES: " + "; ".join(fails)))
     return 1 if fails else 0
 
 

@@ -44,9 +44,10 @@ def step_jit(fun, collectives_in_graphs: bool = False, xla_options: tuple[tuple[
     symmetric buffers and the explicit collective-kernel flags change nothing:
     bench/results/launch_h200x2_2026-11-30_run2.md.) Putting them inside gained nothing on `mid` at
     TP2, by default or with XLA's collective kernels forced, neither host-bound
-    (bench/results/step_flash_h200x2_2026-11-29.md) nor GPU-bound at 4 rounds per call (…_2026-11-30.md), nor on Flash at TP2 (round 1% and decode 4% slower;
-    the idle beside each all-reduce kernel grows inside the graphs: …_2026-11-30_run5.md), and a Flash TP4 round
-    compiled that way did not finish its timing within 2.5 minutes (…_h200x4_2026-11-29.md).
+    (bench/results/step_flash_h200x2_2026-11-29.md) nor GPU-bound at 4 rounds per call
+    (…_2026-11-30.md), nor on Flash at TP2 (round 1% and decode 4% slower; the idle beside each
+    all-reduce kernel grows inside the graphs: …_2026-11-30_run5.md), and a Flash TP4 round compiled
+    that way did not finish its timing within 2.5 minutes (…_h200x4_2026-11-29.md).
     XLA's dot merger is off: the Flash profile showed it fusing each KDA layer's five projections
     into one GEMM by copying the five weight matrices into a new buffer every step (26 MB a layer,
     0.6 ms of a TP4 round), which at batch 1 costs far more than the launches it saves. Those five

@@ -45,7 +45,8 @@ def test_matches_reference(tokens, h, combine):
 
 
 @pytest.mark.parametrize("opts", [dict(block_l=4, splits=3), dict(block_l=8, splits=1), dict(block_l=16, splits=64),
-                                  dict(block_l=4, splits=4, combine="block"), dict(block_l=8, splits=32, combine="block")])
+                                  dict(block_l=4, splits=4, combine="block"),
+                                  dict(block_l=8, splits=32, combine="block")])
 def test_tiles_and_splits(opts):
     """Tiles and splits change only the rounding order; more splits than tiles leave splits empty."""
     for start in (0, 17, 40):

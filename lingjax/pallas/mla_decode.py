@@ -92,9 +92,11 @@ def _split_kernel(qr_ref, qp_ref, pos_ref, cache_ref, acc_ref, m_ref, l_ref, *, 
         acc_ref[s, rows, :] = acc
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, pos_ref, o_ref, *, heads, real, block_l, block_r):
+def _combine_kernel(acc_ref, m_ref, l_ref, pos_ref, o_ref, *, heads, real, block_l, block_r, at_once):
     # acc_ref [S, N, R], m_ref / l_ref [S, N] (N: the split kernel's rows) -> o_ref [rows x H, R] f32, columns
-    # [c BR, (c + 1) BR) of one block of BM rows
+    # [c BR, (c + 1) BR) of one block of BM rows. at_once (combine="block"): every split's acc in one load
+    # and one sum over S (the split kernel wrote acc = 0 for splits without tiles); else the splits that
+    # had tiles one after another
     b, c = pl.program_id(0), pl.program_id(1)
     idx = b * BM + jnp.arange(BM)
     cols = pl.ds(c * block_r, block_r)
@@ -106,36 +108,18 @@ def _combine_kernel(acc_ref, m_ref, l_ref, pos_ref, o_ref, *, heads, real, block
         m = m_ref[:, rows]  # [S, BM]
         top = jnp.max(m, axis=0)
         top = jnp.where(top == -jnp.inf, 0.0, top)  # padding rows: nothing seen
-        den = jnp.sum(jnp.exp(m - top[None, :]) * l_ref[:, rows], axis=0)  # e^-inf = 0: splits a row saw nothing in
-        pos = jnp.where(idx < real, pos_ref[jnp.minimum(idx, real - 1) // heads], -1)
-        active = jnp.minimum(jnp.max(pos) // block_l + 1, splits)  # the splits that had tiles (as _split_kernel)
-
-        def add(s, num):  # split order, the same at every T; a split a row saw nothing in adds exact zeros
-            return num + jnp.exp(m_ref[s, rows] - top)[:, None] * acc_ref[s, rows, cols]
-
-        num = jax.lax.fori_loop(0, active, add, jnp.zeros((BM, block_r), F32))
-        o_ref[rows, cols] = jnp.where((idx < real)[:, None], num / den[:, None], 0.0)
-
-    @pl.when(b * BM >= real)
-    def _():
-        o_ref[pl.ds(b * BM, BM), cols] = jnp.zeros((BM, block_r), F32)
-
-
-def _combine_block_kernel(acc_ref, m_ref, l_ref, o_ref, *, real, block_r):
-    # combine="block": the same contract as _combine_kernel's, every split's partials loaded as one
-    # [S, BM, BR] block and summed over S at once (the split kernel wrote acc = 0 for splits without tiles)
-    b, c = pl.program_id(0), pl.program_id(1)
-    idx = b * BM + jnp.arange(BM)
-    cols = pl.ds(c * block_r, block_r)
-
-    @pl.when(b * BM < real)
-    def _():
-        rows = pl.ds(b * BM, BM)
-        m = m_ref[:, rows]  # [S, BM]
-        top = jnp.max(m, axis=0)
-        w = jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top)[None, :])  # 0 for a split a row saw nothing in
+        w = jnp.exp(m - top[None, :])  # e^-inf = 0: splits a row saw nothing in
         den = jnp.sum(w * l_ref[:, rows], axis=0)
-        num = jnp.sum(w[:, :, None] * acc_ref[:, rows, cols], axis=0)  # [BM, BR]; one tree over S at every T
+        if at_once:
+            num = jnp.sum(w[:, :, None] * acc_ref[:, rows, cols], axis=0)  # one tree over S at every T
+        else:
+            pos = jnp.where(idx < real, pos_ref[jnp.minimum(idx, real - 1) // heads], -1)
+            active = jnp.minimum(jnp.max(pos) // block_l + 1, splits)  # the splits that had tiles (as _split_kernel)
+
+            def add(s, num):  # split order, the same at every T; a split a row saw nothing in adds exact zeros
+                return num + jnp.exp(m_ref[s, rows] - top)[:, None] * acc_ref[s, rows, cols]
+
+            num = jax.lax.fori_loop(0, active, add, jnp.zeros((BM, block_r), F32))
         o_ref[rows, cols] = jnp.where((idx < real)[:, None], num / den[:, None], 0.0)
 
     @pl.when(b * BM >= real)
@@ -178,20 +162,15 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
         name="mla_decode_split",
     )(q_lat.reshape(rows * h, rank), q_pe.reshape(rows * h, r), positions.astype(jnp.int32), cache)
     out_rows = pl.cdiv(rows * h, BM) * BM
-    if combine == "loop":
-        block_r = pow2_tile(rank, 128)
-        kernel = functools.partial(_combine_kernel, heads=h, real=real, block_l=block_l, block_r=block_r)
-        args = (acc, m, l, positions.astype(jnp.int32))
-    else:
-        block_r = pow2_tile(rank, max(16, 16384 // (splits * BM)))  # ~16K partials per program
-        kernel, args = functools.partial(_combine_block_kernel, real=real, block_r=block_r), (acc, m, l)
+    at_once = combine == "block"
+    block_r = pow2_tile(rank, max(16, 16384 // (splits * BM)) if at_once else 128)  # block: ~16K partials a program
     ctx = pl.pallas_call(
-        kernel,
+        functools.partial(_combine_kernel, heads=h, real=real, block_l=block_l, block_r=block_r, at_once=at_once),
         grid=(out_rows // BM, rank // block_r),
         out_shape=jax.ShapeDtypeStruct((out_rows, rank), F32),
         compiler_params=params,
         interpret=interpret,
         name="mla_decode_combine",
-    )(*args)
+    )(acc, m, l, positions.astype(jnp.int32))
     ctx = ctx[: rows * h].reshape(rows, h, rank)
     return jnp.einsum("thr,hvr->thv", ctx, w_uv)
