@@ -11,19 +11,23 @@ calls. Floor: the visible cache slots (context x (R + r) bf16) plus kv_b_proj's 
 read bandwidth measured in the same run.
 
     python bench/mla_bench.py --out results.md          # GPU
+    python bench/mla_bench.py --breakdown               # also each kernel's µs (profiled) for XLA, default, block
     python bench/mla_bench.py --smoke                   # CPU, tiny preset, interpret mode (script check)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lingjax import profiling
 from lingjax.config import preset
 from lingjax.ops.mla import mla_absorbed
 from lingjax.pallas.mla_decode import mla_decode_attention
@@ -40,6 +44,9 @@ VARIANTS = {  # label -> mla_decode_attention options
     "bl64 s64 w8": dict(block_l=64, splits=64, num_warps=8),
     "block combine": dict(combine="block"),
     "block combine s64": dict(splits=64, combine="block"),
+    "bf16x2 dots": dict(dots="bf16x2"),
+    "bf16x2 dots, block combine": dict(dots="bf16x2", combine="block"),
+    "bf16x2 dots, block combine, bl64": dict(dots="bf16x2", combine="block", block_l=64),
 }
 
 
@@ -64,6 +71,19 @@ def call(opts, tokens, scale, interpret):
     return lambda a, b, c, w, p: mla_decode_attention(a, b, c, w, p, scale, tokens=tokens, interpret=interpret, **opts)
 
 
+def kernel_times(loop, args, calls: int, top: int = 6) -> str:
+    """One call of `loop` under the profiler: its `top` kernels by time, as 'name µs' per attention call
+    (device 0; `calls` attention calls in the loop)."""
+    with tempfile.TemporaryDirectory() as d:
+        with profiling.capture(d) as trace:
+            jax.block_until_ready(loop(*args))
+        kernels = [k for k in profiling.load_kernels(trace.path) if k.device == 0]
+    total = collections.Counter()
+    for k in kernels:
+        total[k.name[:40]] += k.dur_us / calls
+    return ", ".join(f"{name} {us:.1f}" for name, us in total.most_common(top)) or "(no GPU kernels traced)"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="flash")
@@ -71,6 +91,8 @@ def main():
     ap.add_argument("--capacity", type=int, default=9216)
     ap.add_argument("--contexts", default="256,8192", help="tokens in the cache (the rows sit at its end)")
     ap.add_argument("--tokens", default="1,4", help="real rows of the 16 (T)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also profile XLA's form, the default and the block combine: µs per kernel per call")
     ap.add_argument("--smoke", action="store_true", help="tiny preset, interpret mode: a CPU check of the script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -101,7 +123,7 @@ def main():
 
     say("| T | context | path | µs | floor µs | x floor | rel. err vs XLA |")
     say("|---|---|---|---|---|---|---|")
-    fails = []
+    fails, breakdowns = [], []
     for ctx in contexts:
         positions = ctx - 1 + jnp.arange(ROWS)  # row 0 is the context's last token; later rows see more slots
         for t in (int(x) for x in args.tokens.split(",")):
@@ -110,8 +132,9 @@ def main():
             want = jax.jit(call(None, t, scale, interp))(q_nope, q_pe, caches[0], w, positions)
             for label, opts in [("XLA (mla_absorbed)", None)] + [(f"pallas {k}", o) for k, o in VARIANTS.items()]:
                 fn = call(opts, t, scale, interp)
+                loop = timing_loop(fn, iters)
                 done = run_or_report(lambda: (jax.jit(fn)(q_nope, q_pe, caches[0], w, positions), median_seconds(
-                    timing_loop(fn, iters), q_nope, q_pe, caches, w, positions, reps=reps) / (iters * copies) * 1e6),
+                    loop, q_nope, q_pe, caches, w, positions, reps=reps) / (iters * copies) * 1e6),
                     say, f"| {t} | {ctx} | {label} |", 3, fails, f"T={t} ctx={ctx} {label}")
                 if done is None:
                     continue
@@ -123,6 +146,14 @@ def main():
                     ok = ok and np.array_equal(np.asarray(row0), np.asarray(got[0]))
                 fails += [] if ok else [f"T={t} ctx={ctx} {label} err {err:.1e} (or row 0 not bit-equal to T=1)"]
                 say(floor_row(f"| {t} | {ctx} | {label} |", us, floor_us, err, ok))
+                if args.breakdown and label in ("XLA (mla_absorbed)", "pallas default", "pallas block combine"):
+                    loop_args = (q_nope, q_pe, caches, w, positions)
+                    breakdowns.append(f"- T={t}, context {ctx}, {label}: "
+                                      f"{kernel_times(loop, loop_args, iters * copies)}")
+    if breakdowns:
+        say("\nµs per attention call by kernel (one profiled loop call, device 0):")
+        for line in breakdowns:
+            say(line)
     passed = "all variants match XLA (and rows bit-equal across T)"
     say("\n" + (passed if not fails else "FAILURES: " + "; ".join(fails)))
     return 1 if fails else 0

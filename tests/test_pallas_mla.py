@@ -24,14 +24,14 @@ def _inputs(seed, rows, h, cap, dtype):
     return q_nope, q_pe, cache, w_kvb
 
 
-def _check(seed, rows, tokens, h, cap, start, dtype=jnp.float32, **opts):
+def _check(seed, rows, tokens, h, cap, start, dtype=jnp.float32, tol=None, **opts):
     """Rows at positions start, start+1, ... (a verify's consecutive tokens); returns o."""
     q_nope, q_pe, cache, w_kvb = _inputs(seed, rows, h, cap, dtype)
     positions = start + jnp.arange(rows)
     o = mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, 0.3, tokens=tokens, **opts)
     want = mla.mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, 0.3, tokens=tokens)
     assert o.shape == want.shape == (rows, h, V)
-    assert rel_err(o, want) <= TOL[dtype]
+    assert rel_err(o, want) <= (tol or TOL[dtype])
     assert not np.any(np.asarray(o[tokens:]))
     return o
 
@@ -53,6 +53,17 @@ def test_tiles_and_splits(opts):
         _check(2, 16, 5, 4, 64, start, **opts)
 
 
+@pytest.mark.parametrize("combine", ["loop", "block"])
+@pytest.mark.parametrize("tokens,h", [(1, 16), (4, 16), (5, 3)])
+def test_bf16x2_dots(tokens, h, combine):
+    """dots="bf16x2": q and p as two bf16 halves against the bf16 tile (~2^-16 relative per product);
+    a cache in f32 is refused (its tile would be rounded)."""
+    _check(5, 16, tokens, h, 64, 20, jnp.bfloat16, tol=1e-4, dots="bf16x2", block_l=8, splits=4, combine=combine)
+    q_nope, q_pe, cache, w_kvb = _inputs(5, 16, h, 64, jnp.float32)
+    with pytest.raises(ValueError, match="bfloat16 cache"):
+        mla_decode_attention(q_nope, q_pe, cache, w_kvb, jnp.arange(16), 0.3, tokens=tokens, dots="bf16x2")
+
+
 def test_bf16_cache_and_far_slots_unread():
     """A bf16 cache (the model's); slots past every row's position are never needed: poisoning them with
     1e30 changes nothing (they are masked, or their tiles never read)."""
@@ -65,15 +76,16 @@ def test_bf16_cache_and_far_slots_unread():
     assert rel_err(o, mla.mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, 0.3, tokens=4)) <= 1e-5
 
 
-@pytest.mark.parametrize("h,combine", [(16, "loop"), (16, "block"), (6, "loop"), (6, "block")])
-def test_row_invariance(h, combine):
+@pytest.mark.parametrize("h,combine,dots", [(16, "loop", "tf32"), (16, "block", "tf32"), (6, "loop", "tf32"),
+                                            (6, "block", "tf32"), (6, "loop", "bf16x2"), (16, "block", "bf16x2")])
+def test_row_invariance(h, combine, dots):
     """Row j's result is the same bit for bit whatever T and the padding rows hold (a verify equals
     plain decode): tokens 1, 4 and 7 over the same rows, and the real rows alone. h = 6: blocks of 16
     rows mix tokens, so a row's block sees further at larger T."""
     cap = 128
     q_nope, q_pe, cache, w_kvb = _inputs(4, 16, h, cap, jnp.bfloat16)
     positions = 50 + 3 * jnp.arange(16)
-    cfg = dict(block_l=8, splits=4, combine=combine)
+    cfg = dict(block_l=8, splits=4, combine=combine, dots=dots)
     out = {t: np.asarray(mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, 0.3, tokens=t, **cfg))
            for t in (1, 4, 7)}
     for t in (1, 4):

@@ -29,8 +29,11 @@ follow the other rows' positions), and a tile a row cannot see leaves its (m, l,
 were: its scores are -inf, so alpha = e^0 = 1 and p = 0. Each dot's rows are independent, and both
 kernels' shapes and loop orders are the same at every T.
 
-Dots take f32 operands at the GPU's default precision (tf32 on the H200, like XLA's f32 einsums of the
-reference path); interpret mode on the CPU computes them in f32.
+Dots (dots="tf32", the default) take f32 operands at the GPU's default precision (tf32 on the H200, like
+XLA's f32 einsums of the reference path), each cache tile converted to f32 first; interpret mode on the
+CPU computes them in f32. dots="bf16x2" (off by default: not yet timed on a GPU) keeps the tile in bf16
+(exact: the cache is bf16) and splits the f32 operand (q, then p) into two bf16 halves, two bf16
+tensor-core dots each, accurate to ~2^-16 instead of tf32's 2^-11, without the f32 copy of every tile.
 
 Reference: lingjax.ops.mla.mla_absorbed (math in ling3_architecture.md §4).
 """
@@ -46,13 +49,31 @@ from jax.experimental.pallas import triton as pltriton
 
 from lingjax.pallas import pow2_tile, resolve_interpret
 
-F32 = jnp.float32
+F32, BF16 = jnp.float32, jnp.bfloat16
 BM = 16  # query rows per program: the tensor cores' minimum M; one token's heads at H = 16 (Flash at TP2)
 _NT = (((1,), (1,)), ((), ()))  # a [M, K] · b [N, K]ᵀ
+_NN = (((1,), (0,)), ((), ()))  # a [M, K] · b [K, N]
+
+
+def _parts(x, dots):
+    """f32 x as the dots take it: (x,) for "tf32"; for "bf16x2" its bf16 halves (hi, lo), hi + lo = x to
+    ~2^-16 relative, so two bf16 tensor-core dots against a bf16 tile give ~f32 accuracy."""
+    if dots == "tf32":
+        return (x,)
+    hi = x.astype(BF16)
+    return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def _dot(parts, b, dims):
+    """Σ over parts of part · b, f32 accumulation (b already in the parts' dtype)."""
+    out = jax.lax.dot_general(parts[0], b, dims, preferred_element_type=F32)
+    for a in parts[1:]:
+        out = out + jax.lax.dot_general(a, b, dims, preferred_element_type=F32)
+    return out
 
 
 def _split_kernel(qr_ref, qp_ref, pos_ref, cache_ref, acc_ref, m_ref, l_ref, *, heads, real, block_l, splits,
-                  scale, write_empty):
+                  scale, write_empty, dots):
     # qr_ref [rows x H, R] f32 and qp_ref [rows x H, r], row t*H + h; pos_ref [rows] int32; cache_ref
     # [L, R + r] -> acc_ref [S, N, R] f32, m_ref / l_ref [S, N] f32 for the first `real` = T x H rows
     # (N: `real` rounded up to BM; the rows between are padding, seeing nothing)
@@ -60,7 +81,8 @@ def _split_kernel(qr_ref, qp_ref, pos_ref, cache_ref, acc_ref, m_ref, l_ref, *, 
     rows = pl.ds(b * BM, BM)
     idx = b * BM + jnp.arange(BM)
     src = jnp.minimum(idx, real - 1)  # the inputs' rows (a padding row re-reads the last real one)
-    q_lat, q_pe = qr_ref[src, :], qp_ref[src, :].astype(F32)
+    q_lat, q_pe = _parts(qr_ref[src, :], dots), _parts(qp_ref[src, :].astype(F32), dots)
+    tile_dtype = F32 if dots == "tf32" else BF16
     pos = jnp.where(idx < real, pos_ref[src // heads], -1)
     rank, r = qr_ref.shape[1], qp_ref.shape[1]
     tiles = jnp.max(pos) // block_l + 1  # tiles holding a slot some row of this block sees (0 if none)
@@ -69,17 +91,16 @@ def _split_kernel(qr_ref, qp_ref, pos_ref, cache_ref, acc_ref, m_ref, l_ref, *, 
     def tile(j, carry):
         m, l, acc = carry
         start = pl.multiple_of((s + j * splits) * block_l, block_l)
-        lat = cache_ref[pl.ds(start, block_l), pl.ds(0, rank)].astype(F32)  # [BL, R]
-        k_pe = cache_ref[pl.ds(start, block_l), pl.ds(rank, r)].astype(F32)  # [BL, r]
-        scores = jax.lax.dot_general(q_lat, lat, _NT, preferred_element_type=F32)
-        scores = (scores + jax.lax.dot_general(q_pe, k_pe, _NT, preferred_element_type=F32)) * scale
+        lat = cache_ref[pl.ds(start, block_l), pl.ds(0, rank)].astype(tile_dtype)  # [BL, R]
+        k_pe = cache_ref[pl.ds(start, block_l), pl.ds(rank, r)].astype(tile_dtype)  # [BL, r]
+        scores = (_dot(q_lat, lat, _NT) + _dot(q_pe, k_pe, _NT)) * scale
         slots = start + jnp.arange(block_l)
         scores = jnp.where(slots[None, :] <= pos[:, None], scores, -jnp.inf)  # [BM, BL]
         m_new = jnp.maximum(m, jnp.max(scores, axis=1))
         base = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no slot seen yet: keep e^(-inf - base) = 0
         alpha = jnp.exp(m - base)
         p = jnp.exp(scores - base[:, None])
-        acc = acc * alpha[:, None] + jnp.dot(p, lat, preferred_element_type=F32)
+        acc = acc * alpha[:, None] + _dot(_parts(p, dots), lat, _NN)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
     init = (jnp.full((BM,), -jnp.inf, F32), jnp.zeros((BM,), F32), jnp.zeros((BM, rank), F32))
@@ -128,16 +149,19 @@ def _combine_kernel(acc_ref, m_ref, l_ref, pos_ref, o_ref, *, heads, real, block
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tokens", "block_l", "splits", "num_warps", "combine",
-                                             "interpret"))
+                                             "dots", "interpret"))
 def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens=None, block_l: int = 32,
-                         splits: int = 32, num_warps: int = 4, combine: str = "loop", interpret=None):
+                         splits: int = 32, num_warps: int = 4, combine: str = "loop", dots: str = "tf32",
+                         interpret=None):
     """Same arguments and result as lingjax.ops.mla.mla_absorbed: q_nope [rows, H, n], q_pe [rows, H, r],
     cache [L, R + r] (latent | k_pe), w_kvb [H*(n+v), R], positions [rows] -> o [rows, H, v] f32, zero
     past row `tokens`. block_l: cache slots per tile (a power of 2 dividing L, at most this);
     splits: programs along the cache per block of rows. combine: "loop" (the splits that had tiles, one
-    after another) or "block" (every split in one load; the module docstring)."""
+    after another) or "block" (every split in one load); dots: "tf32" or "bf16x2" (the module docstring)."""
     if combine not in ("loop", "block"):
         raise ValueError(f"combine must be 'loop' or 'block', got {combine!r}")
+    if dots not in ("tf32", "bf16x2") or (dots == "bf16x2" and cache.dtype != BF16):
+        raise ValueError(f"dots must be 'tf32', or 'bf16x2' with a bfloat16 cache; got {dots!r}, {cache.dtype}")
     rows, h, n = q_nope.shape
     rank = w_kvb.shape[-1]
     r = q_pe.shape[-1]
@@ -153,7 +177,7 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
     acc, m, l = pl.pallas_call(
         functools.partial(_split_kernel, heads=h, real=real, block_l=block_l, splits=splits, scale=float(scale),
-                          write_empty=combine == "block"),
+                          write_empty=combine == "block", dots=dots),
         grid=(splits, n_rows // BM),
         out_shape=(jax.ShapeDtypeStruct((splits, n_rows, rank), F32), jax.ShapeDtypeStruct((splits, n_rows), F32),
                    jax.ShapeDtypeStruct((splits, n_rows), F32)),
