@@ -51,12 +51,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import pow2_tile, resolve_interpret
+from lingjax.pallas import _NT, pow2_tile, resolve_interpret
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 BM = 16  # query rows per program: the tensor cores' minimum M; one token's heads at H = 16 (Flash at TP2)
-_NT = (((1,), (1,)), ((), ()))  # a [M, K] · b [N, K]ᵀ
 _NN = (((1,), (0,)), ((), ()))  # a [M, K] · b [K, N]
+
+
+def _block_rows(pos_ref, b, heads, real, block_l):
+    """Block b's BM rows (row t*H + h): (their indices, the input rows they read (a padding row re-reads the
+    last real one), each row's position (-1: padding, sees nothing), the cache tiles holding a slot some
+    row sees). Both kernels take the block's tile count from here, so they agree on the splits that ran."""
+    idx = b * BM + jnp.arange(BM)
+    src = jnp.minimum(idx, real - 1)
+    pos = jnp.where(idx < real, pos_ref[src // heads], -1)
+    return idx, src, pos, jnp.max(pos) // block_l + 1
 
 
 def _parts(x, dots):
@@ -83,13 +92,10 @@ def _split_kernel(qr_ref, qp_ref, pos_ref, cache_ref, acc_ref, m_ref, l_ref, *, 
     # (N: `real` rounded up to BM; the rows between are padding, seeing nothing)
     s, b = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(b * BM, BM)
-    idx = b * BM + jnp.arange(BM)
-    src = jnp.minimum(idx, real - 1)  # the inputs' rows (a padding row re-reads the last real one)
+    _, src, pos, tiles = _block_rows(pos_ref, b, heads, real, block_l)
     q_lat, q_pe = _parts(qr_ref[src, :], dots), _parts(qp_ref[src, :].astype(F32), dots)
     tile_dtype = F32 if dots == "tf32" else BF16
-    pos = jnp.where(idx < real, pos_ref[src // heads], -1)
     rank, r = qr_ref.shape[1], qp_ref.shape[1]
-    tiles = jnp.max(pos) // block_l + 1  # tiles holding a slot some row of this block sees (0 if none)
     trips = jnp.maximum(tiles - s + splits - 1, 0) // splits
 
     def tile(j, carry):
@@ -123,7 +129,7 @@ def _combine_kernel(acc_ref, m_ref, l_ref, pos_ref, o_ref, *, heads, real, block
     # and one sum over S (the split kernel wrote acc = 0 for splits without tiles); else the splits that
     # had tiles one after another
     b, c = pl.program_id(0), pl.program_id(1)
-    idx = b * BM + jnp.arange(BM)
+    idx, _, _, tiles = _block_rows(pos_ref, b, heads, real, block_l)
     cols = pl.ds(c * block_r, block_r)
 
     @pl.when(b * BM < real)
@@ -138,8 +144,7 @@ def _combine_kernel(acc_ref, m_ref, l_ref, pos_ref, o_ref, *, heads, real, block
         if at_once:
             num = jnp.sum(w[:, :, None] * acc_ref[:, rows, cols], axis=0)  # one tree over S at every T
         else:
-            pos = jnp.where(idx < real, pos_ref[jnp.minimum(idx, real - 1) // heads], -1)
-            active = jnp.minimum(jnp.max(pos) // block_l + 1, splits)  # the splits that had tiles (as _split_kernel)
+            active = jnp.minimum(tiles, splits)  # the splits that had tiles: split s ran tiles s, s + S, ...
 
             def add(s, num):  # split order, the same at every T; a split a row saw nothing in adds exact zeros
                 return num + jnp.exp(m_ref[s, rows] - top)[:, None] * acc_ref[s, rows, cols]
@@ -178,6 +183,7 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
     q_lat = jnp.einsum("thn,hnr->thr", q_nope.astype(F32), w_uk)  # every row, as the reference (row invariance)
     real = tokens * h
     n_rows = pl.cdiv(real, BM) * BM
+    positions = positions.astype(jnp.int32)
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
     acc, m, l = pl.pallas_call(
         functools.partial(_split_kernel, heads=h, real=real, block_l=block_l, splits=splits, scale=float(scale),
@@ -188,7 +194,7 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
         compiler_params=params,
         interpret=interpret,
         name="mla_decode_split",
-    )(q_lat.reshape(rows * h, rank), q_pe.reshape(rows * h, r), positions.astype(jnp.int32), cache)
+    )(q_lat.reshape(rows * h, rank), q_pe.reshape(rows * h, r), positions, cache)
     out_rows = pl.cdiv(rows * h, BM) * BM
     at_once = combine == "block"
     block_r = pow2_tile(rank, max(16, 16384 // (splits * BM)) if at_once else 128)  # block: ~16K partials a program
@@ -199,6 +205,6 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
         compiler_params=params,
         interpret=interpret,
         name="mla_decode_combine",
-    )(acc, m, l, positions.astype(jnp.int32))
+    )(acc, m, l, positions)
     ctx = ctx[: rows * h].reshape(rows, h, rank)
     return jnp.einsum("thr,hvr->thv", ctx, w_uv)
