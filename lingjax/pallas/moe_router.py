@@ -1,6 +1,6 @@
 """noaux_tc router (ling3_architecture.md §6.1): gate GEMV, sigmoid, biased group-limited top-k, weights.
 
-Two launches by default, both tiny:
+Two launches, both tiny:
   1. Gate GEMV, grid (E tile, K split, token block): partial logits [KS, T, E] f32. Reading the 2.6 MB
      router weight at full bandwidth needs many CTAs in flight at once: the default K split of 5 gives
      32 × 5 = 160 programs of one 16 KB tile each (k_splits=1 gave 32 programs streaming 80 KB).
@@ -148,19 +148,14 @@ def _select_rows(logits, bias, *, n_group, topk_group, top_k, scaling, renormali
     return wts * scaling, ids
 
 
-def _logits(p_ref, rows):
-    """The K-split partial logits [KS, T, E] summed in split order for `rows`: [len(rows), E] f32."""
-    logits = p_ref[0, rows, :]
-    for s in range(1, p_ref.shape[0]):
-        logits = logits + p_ref[s, rows, :]
-    return logits
-
-
 def _select_kernel(p_ref, b_ref, w_ref, e_ref, **cfg):
     # one token per program: p_ref [KS, T, E] f32 partial logits; b_ref [E] f32; w_ref [T, k] f32;
     # e_ref [T, k] int32
     row = pl.ds(pl.program_id(0), 1)
-    w_ref[row, :], e_ref[row, :] = _select_rows(_logits(p_ref, row), b_ref[...], **cfg)
+    logits = p_ref[0, row, :]
+    for s in range(1, p_ref.shape[0]):
+        logits = logits + p_ref[s, row, :]
+    w_ref[row, :], e_ref[row, :] = _select_rows(logits, b_ref[...], **cfg)
 
 
 def _divisor(n: int, want: int) -> int:
@@ -168,8 +163,8 @@ def _divisor(n: int, want: int) -> int:
     return next(d for d in range(min(want, n), 0, -1) if n % d == 0)
 
 
-def _gemv_plan(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt):
-    """(_gemv_kernel's options, its grid, the partial logits' shape [KS, T, E])."""
+def _gemv(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt, warps, stages, interpret):
+    """Partial logits [KS, T, E] f32."""
     t, d = x.shape
     n_exp = router_w.shape[0]
     k_splits = _divisor(d, k_splits)
@@ -178,8 +173,14 @@ def _gemv_plan(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt)
     be = _divisor(n_exp, be)
     exact_in_bf16 = tensor_core_f32 and x.dtype == router_w.dtype == jnp.bfloat16  # products exact in f32
     dtype = F32 if precision == "f32" and not exact_in_bf16 else jnp.bfloat16
-    opts = dict(bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype)
-    return opts, (n_exp // be, k_splits, pl.cdiv(t, bt)), (k_splits, t, n_exp)
+    return pl.pallas_call(
+        functools.partial(_gemv_kernel, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype),
+        out_shape=jax.ShapeDtypeStruct((k_splits, t, n_exp), F32),
+        grid=(n_exp // be, k_splits, pl.cdiv(t, bt)),
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name="moe_router_gemv",
+    )(x, router_w)
 
 
 @functools.partial(
@@ -205,27 +206,17 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
     n_exp = router_w.shape[0]
     if topk_group * (n_exp // n_group) < top_k:
         raise ValueError(f"top_k={top_k} needs at least that many experts in the {topk_group} kept groups")
-    gemv, grid, partial_shape = _gemv_plan(x, router_w, precision=precision, tensor_core_f32=tensor_core_f32,
-                                           be=be, bk=bk, k_splits=k_splits, bt=bt)
-    params = None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+    partial = _gemv(x, router_w, precision=precision, tensor_core_f32=tensor_core_f32, be=be, bk=bk,
+                    k_splits=k_splits, bt=bt, warps=warps, stages=stages, interpret=interpret)
     cfg = dict(n_group=n_group, topk_group=topk_group, top_k=top_k, scaling=float(scaling),
                renormalize=bool(renormalize))
-    routed = (jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32))
-    partial = pl.pallas_call(
-        functools.partial(_gemv_kernel, **gemv),
-        out_shape=jax.ShapeDtypeStruct(partial_shape, F32),
-        grid=grid,
-        compiler_params=params,
-        interpret=interpret,
-        name="moe_router_gemv",
-    )(x, router_w)
     if select == "serial":
         kernel = functools.partial(_select_serial_kernel, **cfg)
     else:
         kernel = functools.partial(_select_kernel, **cfg)
     return pl.pallas_call(
         kernel,
-        out_shape=routed,
+        out_shape=(jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32)),
         grid=(t,),
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=select_warps, num_stages=1),
         interpret=interpret,
