@@ -4,14 +4,14 @@ One device's share at --tp (default 2) of the preset's MLA (Flash TP2: 16 heads,
 query rows of which T are real (a decode/verify forward), a cache of --capacity slots (the serving
 bench's 8192 + 1024) holding `context` tokens. For each (T, context): lingjax.ops.mla.mla_absorbed (what
 the model ran before; it reads and converts the whole capacity) and the kernel's variants
-(lingjax.pallas.mla_decode), each checked against XLA's result (tf32 dots on both sides: 5e-3) and, for
+(lingjax.pallas.mla_decode), each checked against XLA's result (tf32 dots there, bf16 halves here: 5e-3) and, for
 the kernel, row invariance on the GPU (row 0 bit for bit at T = 1 and T = 4). Timed in-graph: a jitted
 fori_loop over `copies` distinct caches (>= 64 MB in all, past the 50 MB L2), medians of repeated
 calls. Floor: the visible cache slots (context x (R + r) bf16) plus kv_b_proj's weight, q and o, over the
 read bandwidth measured in the same run.
 
     python bench/mla_bench.py --out results.md          # GPU
-    python bench/mla_bench.py --breakdown               # also each kernel's µs (profiled) for XLA, default, block
+    python bench/mla_bench.py --breakdown               # also each kernel's µs (profiled), BREAKDOWN variants
     python bench/mla_bench.py --smoke                   # CPU, tiny preset, interpret mode (script check)
 """
 
@@ -38,16 +38,14 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 ROWS = 16
 VARIANTS = {  # label -> mla_decode_attention options
     "default": {},
-    "bl32 s16": dict(splits=16),
-    "bl32 s64": dict(splits=64),
-    "bl32 s32 w8": dict(num_warps=8),
-    "bl64 s64 w8": dict(block_l=64, splits=64, num_warps=8),
-    "block combine": dict(combine="block"),
-    "block combine s64": dict(splits=64, combine="block"),
-    "bf16x2 dots": dict(dots="bf16x2"),
-    "bf16x2 dots, block combine": dict(dots="bf16x2", combine="block"),
-    "bf16x2 dots, block combine, bl64": dict(dots="bf16x2", combine="block", block_l=64),
+    "stages 1": dict(num_stages=1),
+    "stages 4": dict(num_stages=4),
+    "s64": dict(splits=64),
+    "s64 stages 4": dict(splits=64, num_stages=4),
+    "s128": dict(splits=128),
+    "s64 w8": dict(splits=64, num_warps=8),
 }
+BREAKDOWN = ("XLA (mla_absorbed)", "pallas default", "pallas stages 1")  # --breakdown profiles these
 
 
 def timing_loop(fn, iters):
@@ -92,7 +90,7 @@ def main():
     ap.add_argument("--contexts", default="256,8192", help="tokens in the cache (the rows sit at its end)")
     ap.add_argument("--tokens", default="1,4", help="real rows of the 16 (T)")
     ap.add_argument("--breakdown", action="store_true",
-                    help="also profile XLA's form, the default and the block combine: µs per kernel per call")
+                    help="also profile the BREAKDOWN variants: µs per kernel per call")
     ap.add_argument("--smoke", action="store_true", help="tiny preset, interpret mode: a CPU check of the script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -146,7 +144,7 @@ def main():
                     ok = ok and np.array_equal(np.asarray(row0), np.asarray(got[0]))
                 fails += [] if ok else [f"T={t} ctx={ctx} {label} err {err:.1e} (or row 0 not bit-equal to T=1)"]
                 say(floor_row(f"| {t} | {ctx} | {label} |", us, floor_us, err, ok))
-                if args.breakdown and label in ("XLA (mla_absorbed)", "pallas default", "pallas block combine"):
+                if args.breakdown and label in BREAKDOWN:
                     loop_args = (q_nope, q_pe, caches, w, positions)
                     breakdowns.append(f"- T={t}, context {ctx}, {label}: "
                                       f"{kernel_times(loop, loop_args, iters * copies)}")

@@ -79,8 +79,7 @@ def test_skinny_linear_lowers(n, k, out):
 
 
 @pytest.mark.parametrize("tokens,opts", [(1, {}), (4, {}), (16, {}), (4, dict(block_l=16, splits=16, num_warps=8)),
-                                         (1, dict(combine="block")), (4, dict(splits=64, combine="block")),
-                                         (1, dict(dots="bf16x2")), (4, dict(dots="bf16x2", combine="block"))])
+                                         (1, dict(splits=64, num_stages=1)), (4, dict(splits=128, num_stages=4))])
 def test_mla_decode_lowers(tokens, opts):
     """Flash MLA at TP2: 16 heads, nope/rope/value dims 128/64/128, rank 512, the serving bench's capacity."""
     mla = functools.partial(mla_decode_attention, scale=0.07, tokens=tokens, interpret=False, **opts)

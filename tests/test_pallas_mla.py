@@ -12,7 +12,7 @@ from lingjax.ops import mla
 from lingjax.pallas.mla_decode import mla_decode_attention
 
 N, R, V, RANK = 16, 8, 16, 32  # nope, rope, value head dims and the latent rank (small; Flash: 128/64/128/512)
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-5}  # the cache's bf16 values are exact in f32: same tolerance
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-4}  # bf16: q and p in two bf16 halves each (~2^-16 per product)
 
 
 def _inputs(seed, rows, h, cap, dtype):
@@ -36,32 +36,26 @@ def _check(seed, rows, tokens, h, cap, start, dtype=jnp.float32, tol=None, **opt
     return o
 
 
-@pytest.mark.parametrize("combine", ["loop", "block"])
 @pytest.mark.parametrize("tokens", [1, 4, 16])
 @pytest.mark.parametrize("h", [16, 3])  # one token per block of 16 rows (Flash at TP2); blocks across tokens
-def test_matches_reference(tokens, h, combine):
-    _check(0, 16, tokens, h, 64, 5, combine=combine)
-    _check(1, tokens, tokens, h, 64, 64 - tokens, combine=combine)  # the last slot of the cache, no padding rows
+def test_matches_reference(tokens, h):
+    _check(0, 16, tokens, h, 64, 5)
+    _check(1, tokens, tokens, h, 64, 64 - tokens)  # the last slot, no padding rows
 
 
 @pytest.mark.parametrize("opts", [dict(block_l=4, splits=3), dict(block_l=8, splits=1), dict(block_l=16, splits=64),
-                                  dict(block_l=4, splits=4, combine="block"),
-                                  dict(block_l=8, splits=32, combine="block")])
+                                  dict(block_l=4, splits=4)])
 def test_tiles_and_splits(opts):
     """Tiles and splits change only the rounding order; more splits than tiles leave splits empty."""
     for start in (0, 17, 40):
         _check(2, 16, 5, 4, 64, start, **opts)
 
 
-@pytest.mark.parametrize("combine", ["loop", "block"])
 @pytest.mark.parametrize("tokens,h", [(1, 16), (4, 16), (5, 3)])
-def test_bf16x2_dots(tokens, h, combine):
-    """dots="bf16x2": q and p as two bf16 halves against the bf16 tile (~2^-16 relative per product);
-    a cache in f32 is refused (its tile would be rounded)."""
-    _check(5, 16, tokens, h, 64, 20, jnp.bfloat16, tol=1e-4, dots="bf16x2", block_l=8, splits=4, combine=combine)
-    q_nope, q_pe, cache, w_kvb = _inputs(5, 16, h, 64, jnp.float32)
-    with pytest.raises(ValueError, match="bfloat16 cache"):
-        mla_decode_attention(q_nope, q_pe, cache, w_kvb, jnp.arange(16), 0.3, tokens=tokens, dots="bf16x2")
+def test_bf16_cache_halves(tokens, h):
+    """A bf16 cache: its tile stays bf16 and q, then p, go in as two bf16 halves (~2^-16 relative per
+    product, where the f32 reference is exact on the bf16 values)."""
+    _check(5, 16, tokens, h, 64, 20, jnp.bfloat16, block_l=8, splits=4)
 
 
 def test_bf16_cache_and_far_slots_unread():
@@ -73,19 +67,18 @@ def test_bf16_cache_and_far_slots_unread():
     poisoned = cache.at[24:].set(1e30)
     assert np.array_equal(np.asarray(o), np.asarray(mla_decode_attention(q_nope, q_pe, poisoned, w_kvb, positions,
                                                                          0.3, tokens=4, block_l=8)))
-    assert rel_err(o, mla.mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, 0.3, tokens=4)) <= 1e-5
+    assert rel_err(o, mla.mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, 0.3, tokens=4)) <= 1e-4
 
 
-@pytest.mark.parametrize("h,combine,dots", [(16, "loop", "tf32"), (16, "block", "tf32"), (6, "loop", "tf32"),
-                                            (6, "block", "tf32"), (6, "loop", "bf16x2"), (16, "block", "bf16x2")])
-def test_row_invariance(h, combine, dots):
+@pytest.mark.parametrize("h,dtype", [(16, jnp.bfloat16), (6, jnp.bfloat16), (6, jnp.float32)])
+def test_row_invariance(h, dtype):
     """Row j's result is the same bit for bit whatever T and the padding rows hold (a verify equals
     plain decode): tokens 1, 4 and 7 over the same rows, and the real rows alone. h = 6: blocks of 16
     rows mix tokens, so a row's block sees further at larger T."""
     cap = 128
-    q_nope, q_pe, cache, w_kvb = _inputs(4, 16, h, cap, jnp.bfloat16)
+    q_nope, q_pe, cache, w_kvb = _inputs(4, 16, h, cap, dtype)
     positions = 50 + 3 * jnp.arange(16)
-    cfg = dict(block_l=8, splits=4, combine=combine, dots=dots)
+    cfg = dict(block_l=8, splits=4)
     out = {t: np.asarray(mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, 0.3, tokens=t, **cfg))
            for t in (1, 4, 7)}
     for t in (1, 4):
