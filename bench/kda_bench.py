@@ -251,7 +251,7 @@ def jax_main(out_path):
 
     def time_chain(label, opts, t):
         try:
-            fn = functools.partial(kda_chain_verify, tokens=t, **cfg, **opts)
+            fn = functools.partial(kda_chain_verify, tokens=t, **cfg, in_place=False, **opts)
             t0 = time.perf_counter()
             o, st = fn(*chain_args(xs_t[t], 0))
             err = max(rel(o, refs[t][0]), rel(st, refs[t][1]))

@@ -91,7 +91,8 @@ def main():
     for label, opts, at, _ in variants:
         for t in ts:
             if at is None or at(t):
-                runs[label, t] = lambda *x, t=t, opts=opts: kda_chain_verify(*x, tokens=t, **cfg, **opts)
+                runs[label, t] = lambda *x, t=t, opts=opts: kda_chain_verify(*x, tokens=t, **cfg, in_place=False,
+                                                                             **opts)
     for spec in a.tree:
         name, root = spec.split("=", 1)
         other = load_tree_kernel(name, root)

@@ -74,6 +74,23 @@ def test_chain_verify_every_t(t):  # the default path; the other options at T = 
         _check_chain(t, 3, 16, jnp.float32, seed)
 
 
+@pytest.mark.parametrize("row_loop", [True, False])
+def test_chain_decode_in_place(row_loop):
+    """T = 1 writes the new state over the old (staged aliases the state): donated, the result is the
+    reference's and the same bit for bit as the out-of-place call (in interpret mode the output starts
+    as the old state, not NaN: every element of it must change, which the reference comparison sees)."""
+    args = _chain_inputs(13, 16, 3, 16, jnp.float32)
+    cfg = dict(tokens=1, num_heads=3, safe_gate=True, lower_bound=-5.0, block_v=8, row_loop=row_loop)
+    o_ref, staged_ref = kda.kda_chain(*args, tokens=1, num_heads=3, safe_gate=True, lower_bound=-5.0)
+    apart = kda_chain_verify(*args, **cfg, in_place=False)
+    donated = jax.jit(lambda *a: kda_chain_verify(*a, **cfg), donate_argnums=6)(*args[:6], args[6] + 0.0)
+    for got, want in zip(donated, (o_ref, staged_ref)):
+        assert rel_err(got, want) <= TOL[jnp.float32]
+    for x, y in zip(donated, apart):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    assert not np.any(np.asarray(donated[1][0]) == np.asarray(args[6]))
+
+
 @pytest.mark.parametrize("opts", list(CHAIN_OPTS))
 @pytest.mark.parametrize("t", [2, 16])
 def test_chain_verify_bf16_inputs(t, opts):

@@ -156,7 +156,7 @@ def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,
                   *, tokens, num_heads, dim, block_v, tiles, hoist_loads, safe_gate, lower_bound, parallel_read,
                   deferred_norms):
     # proj_ref [rows, >=4P] (q|k|v columns [0, 3P), f [3P, 4P)); b_ref [rows, H]; win_ref [W-1, 3P];
-    # convw_ref [3P, W] f32; alog_ref [H]; dtb_ref [P]; s_ref [H, K, V] f32
+    # convw_ref [3P, W] f32; alog_ref [H]; dtb_ref [P]; s_ref [1, H, K, V] f32
     # -> o_ref [rows, H, V] f32; st_ref [T, H, K, V] f32, T = tokens. Input rows >= T are never read.
     h, col0 = _head_and_tiles(tiles, block_v)
     p, width = num_heads * dim, convw_ref.shape[1]
@@ -168,7 +168,7 @@ def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,
         return functools.cache(fn)
 
     # ---- reads (issued here, in this order, when hoisting)
-    s_in = [early(lambda c=c: s_ref[h, :, pl.ds(c, block_v)]) for c in col0]  # tiles x [K, BV]
+    s_in = [early(lambda c=c: s_ref[0, h, :, pl.ds(c, block_v)]) for c in col0]  # tiles x [K, BV]
 
     def channels(c0, n):  # conv weights W x [n] f32 and the W-1+T pre-conv input rows [n] of channels [c0, c0+n)
         return (early(lambda: [convw_ref[pl.ds(c0, n), i] for i in range(width)]),
@@ -226,7 +226,7 @@ def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s
         return ([proj_ref[t, pl.ds(c0, n)] for c0, n in chans], proj_ref[t, pl.ds(3 * p + h * dim, dim)],
                 b_ref[t, h])
 
-    s0 = [s_ref[h, :, pl.ds(c, block_v)] for c in col0]  # tiles x [K, BV]
+    s0 = [s_ref[0, h, :, pl.ds(c, block_v)] for c in col0]  # tiles x [K, BV]
     win0 = [[win_ref[r, pl.ds(c0, n)].astype(F32) for r in range(width - 1)] for c0, n in chans]
     first = reads(0)
     conv_w = [[convw_ref[pl.ds(c0, n), i] for i in range(width)] for c0, n in chans]
@@ -250,15 +250,18 @@ def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s
 
 @functools.partial(jax.jit, static_argnames=("tokens", "num_heads", "safe_gate", "lower_bound", "block_v",
                                              "num_warps", "hoist_loads", "parallel_read", "tiles_per_program",
-                                             "row_loop", "deferred_norms", "interpret"))
+                                             "row_loop", "deferred_norms", "in_place", "interpret"))
 def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate, lower_bound,
                      block_v: int = 32, num_warps: int = 4, hoist_loads: bool = True,
                      parallel_read: bool = True, tiles_per_program: int = 1, row_loop: bool | None = None,
-                     deferred_norms: bool = True, interpret=None):
+                     deferred_norms: bool = True, in_place: bool = True, interpret=None):
     """Same arguments and results as lingjax.ops.kda.kda_chain: (o [rows, H, V] f32, zero past row
     `tokens`; staged [tokens, H, K, V] f32). block_v: V columns per tile; tiles_per_program (clamped to
     V / block_v), hoist_loads, parallel_read, row_loop (None: the loop at T = 1 and above UNROLLED_MAX_T
-    rows, unrolled between): see the module docstring."""
+    rows, unrolled between): see the module docstring. in_place (T = 1 only): staged aliases the state, which
+    the kernel overwrites (each program reads its [K, BV] tile whole, for the row's reductions, before its
+    one write), so under a loop carrying the state (the model's decode) the new state needs no copy; where
+    the state is not donated XLA copies it first (the benches' loop-invariant inputs: they pass False)."""
     rows = proj.shape[0]
     h, dk, dv = state.shape
     assert 1 <= tokens <= min(rows, MAX_T), f"chain-verify takes 1..{MAX_T} tokens of {rows} rows, got {tokens}"
@@ -278,10 +281,11 @@ def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, 
         grid=(h, dv // (block_v * tiles)),
         out_shape=(jax.ShapeDtypeStruct((rows, h, dv), jnp.float32),
                    jax.ShapeDtypeStruct((tokens, h, dk, dv), jnp.float32)),
+        input_output_aliases={6: 1} if in_place and tokens == 1 else {},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=resolve_interpret(interpret),
         name="kda_chain_verify",
-    )(proj, b, window, conv_w.astype(jnp.float32), a_log, dt_bias, state.astype(jnp.float32))
+    )(proj, b, window, conv_w.astype(jnp.float32), a_log, dt_bias, state.astype(jnp.float32)[None])
 
 
 def _commit_kernel(n_ref, st_ref, win_ref, s_out, w_out, *, dim, block_k):
