@@ -46,13 +46,20 @@ def mla_expanded(q_nope, q_pe, cache, w_kvb, positions, scale, tokens=None):
     return _zero_past(jnp.einsum("thl,lhv->thv", p, v), tokens)
 
 
+def absorb_query(q_nope, w_kvb):
+    """kv_b_proj folded into the query: (q_lat = q_nope W_uk [T, H, R] f32 on every row, W_uv [H, v, R] f32
+    for o = ctx W_uv), each half of w_kvb converted to f32 where it is used. Shared with the Pallas kernel
+    (lingjax.pallas.mla_decode), so both round q_lat and o alike."""
+    h, n = q_nope.shape[1:]
+    w = w_kvb.reshape(h, -1, w_kvb.shape[-1])  # [H, n+v, R]
+    w_uk, w_uv = w[:, :n].astype(F32), w[:, n:].astype(F32)
+    return jnp.einsum("thn,hnr->thr", q_nope.astype(F32), w_uk), w_uv
+
+
 def mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, scale, tokens=None):
     """Same arguments and result as mla_expanded; never materialises per-head keys."""
     latent, k_pe = _split(cache, w_kvb)
-    h, n = q_nope.shape[1:]
-    w = w_kvb.reshape(h, -1, w_kvb.shape[-1])  # [H, n+v, R]; each half converted to f32 where it is used
-    w_uk, w_uv = w[:, :n].astype(F32), w[:, n:].astype(F32)
-    q_lat = jnp.einsum("thn,hnr->thr", q_nope.astype(F32), w_uk)  # [T, H, R]
+    q_lat, w_uv = absorb_query(q_nope, w_kvb)  # [T, H, R], [H, v, R]
     scores = jnp.einsum("thr,lr->thl", q_lat, latent.astype(F32))
     scores += jnp.einsum("thr,lr->thl", q_pe.astype(F32), k_pe.astype(F32))
     p = _masked_softmax(scores * scale, positions)

@@ -16,8 +16,8 @@ again for the context, in ~10 launches whatever the context length. Here:
      partials in one [S, BM, BR] load, ctx = Σ e^{m_s - M} acc_s / Σ e^{m_s - M} l_s in one reduction
      over S; rows past `tokens` are zeros. (Walking the splits in a loop instead took 16-18 µs at 8192
      tokens against 3.6; summing all S in one program per row block took 45-470 µs.)
-kv_b_proj's two halves stay in XLA on either side: q_lat = q_nope W_uk (on all rows, as the reference,
-then sliced) and o = ctx W_uv.
+kv_b_proj's two halves stay in XLA on either side (lingjax.ops.mla.absorb_query, shared with the reference):
+q_lat = q_nope W_uk on all rows, and o = ctx W_uv.
 
 Row invariance (lingjax.model: a verify's row t must equal plain decode's row bit for bit): a row's
 result depends on its own q, position and the cache alone. The tile-to-split map is fixed (it does not
@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from lingjax.ops.mla import absorb_query
 from lingjax.pallas import _NT, pow2_tile, resolve_interpret
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -141,16 +142,14 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
     past row `tokens`. block_l: cache slots per tile (a power of 2 dividing L, at most this);
     splits: programs along the cache per block of rows; num_stages: Triton's software pipelining of the
     split kernel's tile loop (its cache loads issued that many tiles ahead)."""
-    rows, h, n = q_nope.shape
+    rows, h, _ = q_nope.shape
     rank = w_kvb.shape[-1]
     r = q_pe.shape[-1]
     tokens = rows if tokens is None else tokens
     assert cache.shape[1] == rank + r and 1 <= tokens <= rows, (cache.shape, rank, r, tokens, rows)
     block_l = pow2_tile(cache.shape[0], block_l)
     interpret = resolve_interpret(interpret)
-    w = w_kvb.reshape(h, -1, rank)  # [H, n+v, R]; each half converted to f32 where it is used (in its GEMM)
-    w_uk, w_uv = w[:, :n].astype(F32), w[:, n:].astype(F32)
-    q_lat = jnp.einsum("thn,hnr->thr", q_nope.astype(F32), w_uk)  # every row, as the reference (row invariance)
+    q_lat, w_uv = absorb_query(q_nope, w_kvb)  # every row, as the reference (row invariance)
     real = tokens * h
     n_rows = pl.cdiv(real, BM) * BM
     positions = positions.astype(jnp.int32)
