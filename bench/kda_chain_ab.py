@@ -8,7 +8,8 @@ Why: the same kernel's time moved ~15% between processes on the H200 (T = 6: 11.
 differences being decided. Here every variant is compiled in one process and timed in `rounds`
 interleaved rounds (each round times every variant once, in kda_bench's way: R = 64 rotating cold
 input sets in one jitted loop, median of 15 runs); a variant's figure is the median over rounds.
-Another tree's kernel (its lingjax/pallas/kda_chain.py) runs with its own defaults. Before timing, each
+Another tree's kernel (its lingjax/pallas/kda_chain.py) runs with its own defaults (one that takes beta's
+logits and the window precomputed gets them from XLA inside the timed call: load_tree_kernel). Before timing, each
 variant is checked against lingjax.ops.kda.kda_chain (max rel. error, printed), and pairs that must round
 alike are compared bit for bit: this tree's row loop against its unrolled kernel at each BV and warp
 count, and each other tree's default against this tree's unrolled kernel at BV16 w4 (when timed). Prints
@@ -19,7 +20,9 @@ a table last: µs per call, with fla's fused_recurrent_kda in both its forms whe
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -32,12 +35,28 @@ R = kda_bench.R
 
 
 def load_tree_kernel(label: str, root: str):
-    """kda_chain_verify from root/lingjax/pallas/kda_chain.py, as module kda_chain_<label>."""
+    """kda_chain_verify from root/lingjax/pallas/kda_chain.py, as module kda_chain_<label>, taking this tree's
+    arguments. A kernel from before beta's logits and the conv ring moved into it (its second argument is
+    b [rows, H], its fourth the window [W-1, 3P]) gets b = x·b_projᵀ from XLA's reduction fusion and the
+    window gathered from the ring, in the timed call: two of the XLA launches the model paid beside it
+    (not the window's update after it: a gather and a copy at decode, a copy at a verify's commit)."""
     path = os.path.join(root, "lingjax", "pallas", "kda_chain.py")
     spec = importlib.util.spec_from_file_location(f"kda_chain_{label}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.kda_chain_verify
+    kernel = mod.kda_chain_verify
+    params = inspect.signature(kernel).parameters
+    if "in_place" in params:  # out of place, as this tree's variants: the bench's states are not donated
+        kernel = functools.partial(kernel, in_place=False)
+    if list(params)[1] != "b":
+        return kernel
+    from lingjax.ops.kda import ring_window
+    from lingjax.ops.linear import dot_rows
+
+    def older(proj, x, b_proj, ring, start, conv_w, *rest, **kw):  # its window from the ring, its ring unchanged
+        window = ring_window(ring, start, conv_w.shape[1])
+        return kernel(proj, dot_rows(x, b_proj), window, conv_w, *rest, **kw) + (ring,)
+    return older
 
 
 def variants_here(block_vs, warps, norms_first=False):

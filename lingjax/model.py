@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lingjax.cache import KDACache, KDAStaged, MLACache, ModelCache
+from lingjax.cache import CHAIN_ROWS, KDACache, KDAStaged, MLACache, ModelCache
 from lingjax.config import KDA, MOE, LingConfig
 from lingjax.execution import Exec
 from lingjax.ops import kda as kda_ops
@@ -43,7 +43,7 @@ from lingjax.ops.norms import gated_rms_norm, rms_norm
 from lingjax.ops.rope import rope_interleaved
 
 F32 = jnp.float32
-SMALL_T = 16  # up to this many new tokens the step is decode/verify-shaped
+SMALL_T = CHAIN_ROWS  # up to this many new tokens the step is decode/verify-shaped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +87,7 @@ def narrow_linear(x: jax.Array, w: jax.Array) -> jax.Array:
     fusion for [4, 2560] x [16, 2560] took a median 8.9 µs per layer on the H200, 43 calls and ~0.39 ms
     of a Flash TP2 round (bench/results/step_flash_h200x2_2026-11-30.md); the reduction fusion takes
     2.3 µs (…_2026-11-30_run2.md)."""
-    if x.shape[0] > SMALL_T:
-        return linear(x, w)
-    return jnp.sum(x[:, None, :].astype(F32) * w[None].astype(F32), axis=-1).astype(x.dtype)
+    return linear(x, w) if x.shape[0] > SMALL_T else linear_ops.dot_rows(x, w)
 
 
 def row_linear(x: jax.Array, w: jax.Array, ex: Exec) -> jax.Array:
@@ -138,9 +136,9 @@ class KDAAttention(nnx.Module):
         self.o_norm = init.norm(cfg.kda_head_dim)
         self.o_proj = init.matrix(d, p)
 
-    def __call__(self, cfg: LingConfig, x, cache: KDACache, n_valid, paths: Paths, stage: bool = False):
-        """x: [rows, D], the first paths.tokens real. Returns (y, new cache); with stage=True (verify)
-        returns (y, KDAStaged) and the committed cache is left for `lingjax.cache.commit`."""
+    def __call__(self, cfg: LingConfig, x, cache: KDACache, start, n_valid, paths: Paths, stage: bool = False):
+        """x: [rows, D] at positions start.., the first paths.tokens real. Returns (y, new cache); with
+        stage=True (verify) returns (y, KDAStaged) and the committed state is left for `lingjax.cache.commit`."""
         t = paths.tokens
         if stage and paths.kda_chunked:
             raise ValueError(f"staged (verify) forwards take at most {SMALL_T} tokens, got {t}")
@@ -151,33 +149,36 @@ class KDAAttention(nnx.Module):
             p = w.shape[1]  # channels on this device
             # the recurrence and the conv carry state from row to row: they read the real rows only
             qkv, g_out = proj[:t, : 3 * p], proj[:, 4 * p :]
-        with jax.named_scope("kda_gate"):
-            b = narrow_linear(x, self.b_proj)  # [rows, H]
         conv_w = self.conv[...].reshape(-1, self.conv.shape[-1])  # [3P, W], q|k|v blocks, no copy
-        window = cache.conv.reshape(cache.conv.shape[0], -1)  # [W-1, 3, P] -> [W-1, 3P], q|k|v blocks
-        params = (window, conv_w, self.a_log[...], self.dt_bias[...])
+        ring = cache.conv.reshape(cache.conv.shape[0], -1)  # [N, 3, P] -> [N, 3P], q|k|v blocks
+        params = (conv_w, self.a_log[...], self.dt_bias[...])
         gate_cfg = dict(num_heads=h, safe_gate=cfg.kda_safe_gate, lower_bound=cfg.kda_lower_bound)
         with jax.named_scope("kda_recurrence"):
             if paths.kda_chunked:  # rows == T: no padding rows to skip
-                f = proj[:t, 3 * p : 4 * p]
-                q, k, v, g, beta, conv = kda_ops.kda_prepare(qkv, f, b[:t], *params, n_valid, **gate_cfg)
+                with jax.named_scope("kda_gate"):
+                    b = narrow_linear(x, self.b_proj)  # [T, H]
+                f, width = proj[:t, 3 * p : 4 * p], conv_w.shape[1]
+                window = kda_ops.ring_window(ring, start, width)
+                q, k, v, g, beta, window = kda_ops.kda_prepare(qkv, f, b, window, *params, n_valid, **gate_cfg)
                 # q, k, v at the activations' precision, as the checkpoint's own model feeds fla's chunk_kda
                 # (the Pallas prefill then takes its bf16 path; the state stays f32)
                 q, k, v = (a.astype(x.dtype) for a in (q, k, v))
-                conv = conv.reshape(cache.conv.shape)
+                ring = kda_ops.ring_write(ring, window, start + n_valid - (width - 1))  # the window's own slots
                 o, state = paths.op("kda_chunked")(q, k, v, g, beta, cache.state)
             else:  # all T tokens are real here (prefill pads only to chunked sizes)
-                # proj and b whole: the op reads the real rows in place and returns o on all rows, zero
-                # past T, so no slice or pad kernel sits on either side of it
-                o, staged = paths.op("kda_chain")(proj, b, *params, cache.state, tokens=t, **gate_cfg)
-                windows = kda_ops.conv_windows(window, qkv).reshape((t,) + cache.conv.shape)  # qkv's slice fuses in
-                state, conv = staged[-1], windows[-1]
+                # proj and x whole: the op reads the real rows in place (b = x·b_projᵀ inside) and returns
+                # o on all rows, zero past T, so no slice, pad or b kernel sits on either side of it; it
+                # writes the rows' conv inputs into the ring in place
+                o, staged, ring = paths.op("kda_chain")(proj, x, self.b_proj[...], ring, start, *params, cache.state,
+                                                        tokens=t, **gate_cfg)
+                state = staged[-1]
+            conv = ring.reshape(cache.conv.shape)
         with jax.named_scope("kda_out"):
             gate = g_out.reshape(paths.rows, h, dk)
             y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)  # o: [rows, H, V]
             y = row_linear(y.reshape(paths.rows, h * dk), self.o_proj, paths.ex)
         if stage:
-            return y, KDAStaged(states=staged, windows=windows)
+            return y, KDAStaged(states=staged, conv=conv)
         return y, KDACache(state=state, conv=conv)
 
 
@@ -288,7 +289,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, cfg: LingConfig, x, cache, positions, n_valid, paths: Paths, stage: bool = False):
         a = rms_norm(x, self.input_norm[...], cfg.rms_norm_eps)
         if isinstance(self.attn, KDAAttention):
-            a, cache = self.attn(cfg, a, cache, n_valid, paths, stage)
+            a, cache = self.attn(cfg, a, cache, positions[0], n_valid, paths, stage)
         else:
             a, cache = self.attn(cfg, a, cache, positions, paths)
         h = x + a
@@ -349,9 +350,10 @@ class LingModel(nnx.Module):
         return x, ModelCache(layers=layers)
 
     def verify(self, tokens, cache: ModelCache, start, ex: Exec = Exec()):
-        """Speculative verify over T <= SMALL_T tokens: MLA caches are written at start..start+T-1,
-        KDA caches are left as they are. Returns (hidden [T, D], cache, staging: per layer KDAStaged
-        or None) for `lingjax.cache.commit`."""
+        """Speculative verify over T <= SMALL_T tokens: MLA caches and KDA conv rings are written at
+        start..start+T-1, KDA caches are otherwise left as they are (the returned cache holds them). Returns
+        (hidden [T, D], cache, staging: per layer KDAStaged or None) for `lingjax.cache.commit`, which takes
+        each KDA layer's state and ring from its staging."""
         x, layers, staging = self._layers(tokens, cache, start, tokens.shape[0], ex, stage=True)
         return x, ModelCache(layers=layers), staging
 

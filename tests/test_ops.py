@@ -185,28 +185,38 @@ def test_swiglu_limit_clamps_after_silu():
 
 def test_kda_chain_contract_matches_prepare_and_recurrence():
     """kda_chain (the fused kernel's contract) = kda_prepare + recurrence with every state staged, on
-    the first T rows of the unsliced projections (the rest garbage, their o rows zero); conv_windows
-    stages the window after each row."""
-    t, rows, h, d, w = 6, 9, 3, 8, 4
-    ks = jax.random.split(key_for("chain"), 7)
+    the first T rows of the unsliced projections (the rest garbage, their o rows zero), beta's logits
+    x·b_projᵀ, the window read from the conv ring's slots before `start` (wrapping past slot 0), and the
+    ring returned with the T rows' inputs at their slots, every other slot as it was."""
+    t, rows, h, d, w, dm, start = 6, 9, 3, 8, 4, 40, 1
+    slots = t + w - 1 + 2
+    ks = jax.random.split(key_for("chain"), 8)
     p = h * d
     proj = jax.random.normal(ks[0], (rows, 5 * p))  # q|k|v|f|g
-    b = jax.random.normal(ks[1], (rows, h))
-    window = jax.random.normal(ks[2], (w - 1, 3 * p))
+    x = jax.random.normal(ks[1], (rows, dm))  # the layer's input
+    b_proj = jax.random.normal(ks[7], (h, dm)) / dm**0.5
+    b = x[:t] @ b_proj.T  # beta's logits
+    ring = jax.random.normal(ks[2], (slots, 3 * p))
     conv_w = 0.5 * jax.random.normal(ks[3], (3 * p, w))
     a_log = jnp.log(jax.random.uniform(ks[4], (h,), minval=1, maxval=16))
     dt_bias = jax.random.normal(ks[5], (p,))
     state = jax.random.normal(ks[6], (h, d, d))
     cfg = dict(num_heads=h, safe_gate=True, lower_bound=-5.0)
-    o, staged = kda.kda_chain(proj, b, window, conv_w, a_log, dt_bias, state, tokens=t, **cfg)
+    o, staged, ring_out = kda.kda_chain(proj, x, b_proj, ring, start, conv_w, a_log, dt_bias, state, tokens=t, **cfg)
     assert o.shape == (rows, h, d) and staged.shape == (t, h, d, d)
     assert (np.asarray(o[t:]) == 0).all()
+    window = ring[jnp.array([slots - 2, slots - 1, 0])]  # positions -2, -1, 0 before start = 1
+    assert np.array_equal(np.asarray(kda.ring_window(ring, start, w)), np.asarray(window))
     qkv, f = proj[:t, : 3 * p], proj[:t, 3 * p : 4 * p]
+    want_ring = np.asarray(ring).copy()
+    want_ring[start:start + t] = np.asarray(qkv)
+    assert np.array_equal(np.asarray(ring_out), want_ring)
     for n in range(1, t + 1):  # state after row n-1 == running the first n rows alone
         q, k, v, g, beta, win = kda.kda_prepare(qkv[:n], f[:n], b[:n], window, conv_w, a_log, dt_bias, n, **cfg)
         o_n, s_n = kda.kda_recurrent(q, k, v, g, beta, state)
         assert rel_err(staged[n - 1], s_n) < 1e-6 and rel_err(o[:n], o_n) < 1e-6
-        assert rel_err(kda.conv_windows(window, qkv)[n - 1], win) == 0.0
+        # the next position's window, read from the returned ring, is the conv's own
+        assert np.array_equal(np.asarray(kda.ring_window(ring_out, start + n, w)), np.asarray(win))
 
 
 def test_route_bf16_precision_is_f32_routing_of_bf16_operands():

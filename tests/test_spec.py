@@ -11,7 +11,8 @@ import pytest
 import lingjax
 from conftest import FIXTURES, key_for, rel_err
 from lingjax import engine
-from lingjax.cache import commit
+from lingjax.cache import commit, conv_ring_size
+from lingjax.ops.kda import ring_slots, ring_window
 from lingjax.sampling import SamplingParams
 from lingjax.spec.accept import greedy_accept, target_only_accept
 from lingjax.spec.drafters import ReplayDrafter
@@ -198,7 +199,9 @@ def test_target_only_accept_is_lossless():
 @pytest.mark.parametrize("n", [0, 2, 5])
 def test_verify_then_commit_equals_sequential_decode(n):
     """Commit of row n after a verify over [b, d_1..d_5] leaves the caches exactly as decoding
-    b, d_1..d_n one token at a time; staged rows past n are never read (poisoned with NaN)."""
+    b, d_1..d_n one token at a time; staged rows past n are never read (poisoned with NaN), and neither
+    are the conv ring slots of the rejected positions (poisoned too; the next forward must stay finite
+    and match the sequential one)."""
     model = _tiny()
     module = model.module
     prompt = _prompt(20, 7)
@@ -207,8 +210,10 @@ def test_verify_then_commit_equals_sequential_decode(n):
     cache = model.new_cache(64)
     _, cache = forward(jnp.asarray(prompt, jnp.int32), cache, 0, len(prompt))
     hidden, verified, staging = verify(jnp.asarray(window, jnp.int32), cache, len(prompt))
+    end = len(prompt) + n + 1  # the committed length
+    rejected = ring_slots(end, len(window) - n - 1, conv_ring_size(model.cfg))
     poisoned = tuple(None if st is None else dataclasses.replace(
-        st, states=st.states.at[n + 1:].set(jnp.nan), windows=st.windows.at[n + 1:].set(jnp.nan))
+        st, states=st.states.at[n + 1:].set(jnp.nan), conv=st.conv.at[rejected].set(jnp.nan))
         for st in staging)
     committed = commit(verified, poisoned, jnp.int32(n))
     seq = cache
@@ -222,8 +227,14 @@ def test_verify_then_commit_equals_sequential_decode(n):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             if a.shape[0] == 64:  # MLA latent cache: compare the committed prefix
                 a, b = a[: len(prompt) + n + 1], b[: len(prompt) + n + 1]
+            elif a.ndim == 3 and a.shape[1] == 3:  # KDA conv ring: the window of the next position
+                width = model.cfg.conv_size
+                a, b = (ring_window(r.reshape(r.shape[0], -1), end, width) for r in (a, b))
             assert rel_err(a, b) < 5e-5
     assert rel_err(hidden[: n + 1], jnp.stack(rows)) < 5e-5
+    token = jnp.asarray(_prompt(1, 9), jnp.int32)
+    (h_got, _), (h_want, _) = forward(token, committed, end, 1), forward(token, seq, end, 1)
+    assert rel_err(h_got, h_want) < 5e-5  # rel_err fails on NaN
 
 
 # ---- the host loop ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ kda_chain, the decode/verify contract, takes the projections on all the forward'
 import jax
 import jax.numpy as jnp
 
+from lingjax.ops.linear import dot_rows
 from lingjax.ops.norms import l2norm
 
 
@@ -38,13 +39,20 @@ def kda_gate(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array, safe: bool, low
     return -rate * jax.nn.softplus(x)
 
 
-def conv_windows(window: jax.Array, x: jax.Array) -> jax.Array:
-    """The conv window after each of the T new inputs: [T, W-1, C] (row r = last W-1 of [window; x_0..x_r]).
-    What speculation stages per position; commit picks the accepted row."""
-    w1, t = window.shape[0], x.shape[0]
-    xcat = jnp.concatenate([window.astype(x.dtype), x], axis=0)
-    idx = jnp.arange(t)[:, None] + 1 + jnp.arange(w1)[None, :]
-    return xcat[idx].astype(window.dtype)
+def ring_slots(start, count: int, size: int) -> jax.Array:
+    """The conv ring's slots of positions start..start+count-1: position p lives in slot p mod size."""
+    return jnp.remainder(start + jnp.arange(count, dtype=jnp.int32), size)
+
+
+def ring_window(ring: jax.Array, start, width: int) -> jax.Array:
+    """The conv window before position `start`: the W-1 pre-conv inputs at positions start-W+1..start-1,
+    oldest first, read from the ring [N, C] (slots of positions before 0 hold the initial zeros)."""
+    return ring[ring_slots(start - (width - 1), width - 1, ring.shape[0])]
+
+
+def ring_write(ring: jax.Array, x: jax.Array, start) -> jax.Array:
+    """The ring with the inputs x [T, C] of positions start..start+T-1 written at their slots (T <= N)."""
+    return ring.at[ring_slots(start, x.shape[0], ring.shape[0])].set(x.astype(ring.dtype))
 
 
 def kda_prepare(qkv, f, b, window, conv_w, a_log, dt_bias, n_valid, *, num_heads, safe_gate, lower_bound):
@@ -67,24 +75,32 @@ def kda_prepare(qkv, f, b, window, conv_w, a_log, dt_bias, n_valid, *, num_heads
     return l2norm(q) * d**-0.5, l2norm(k), v, g, beta, new_window
 
 
-def kda_chain(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate, lower_bound):
-    """Decode / verify over T = `tokens` new tokens, all valid: the contract of the fused chain-verify kernel.
+def kda_chain(proj, x, b_proj, ring, start, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate,
+              lower_bound):
+    """Decode / verify over T = `tokens` new tokens at positions start..start+T-1, all valid: the contract
+    of the fused chain-verify kernel.
 
     proj: [rows, >=4P] the layer's in_proj output (q|k|v in columns [0, 3P), f in [3P, 4P), further
-    columns ignored); b: [rows, H] b_proj. Only rows < T are read: rows is the forward's padded row
-    count (lingjax.model), 1 <= T <= rows. window, conv_w, a_log, dt_bias as kda_prepare, plus the
-    committed state [H, K, V] f32, which is only read. Taking the unsliced projections and returning
+    columns ignored); x: [rows, D] the layer's (normed) input and b_proj [H, D] its beta projection, taken
+    here as b = x·b_projᵀ rounded once to x's dtype (lingjax.ops.linear.dot_rows), so the fused kernel
+    computes beta's logits itself. Only rows < T are read: rows is the forward's padded row
+    count (lingjax.model), 1 <= T <= rows. ring: [N, 3P] the conv ring (lingjax.cache.KDACache), N >= T + W - 1,
+    so the T rows' slots never hold the window before `start`; conv_w, a_log, dt_bias as kda_prepare, plus
+    the committed state [H, K, V] f32, which is only read. Taking the unsliced projections and returning
     the padded o spare the caller a slice or pad kernel on each side of the fused one.
     Returns (o [rows, H, V] f32 core output before the output norm, zero in rows >= T; staged
-    [T, H, K, V] f32: the state after each row). The conv windows to stage come from
-    conv_windows(window, proj[:T, :3P]).
+    [T, H, K, V] f32: the state after each row; the ring with the T rows' pre-conv q|k|v written at their
+    positions' slots: a verify's rejected rows leave slots of positions past the accepted ones, which a
+    later forward overwrites before it reads them, so the ring needs no commit).
     """
     p = dt_bias.shape[0]
-    q, k, v, g, beta, _ = kda_prepare(proj[:tokens, : 3 * p], proj[:tokens, 3 * p : 4 * p], b[:tokens], window,
-                                      conv_w, a_log, dt_bias, tokens,
+    qkv = proj[:tokens, : 3 * p]
+    b = dot_rows(x, b_proj)[:tokens]  # on every row, as the model's other row-wise ops (row invariance)
+    window = ring_window(ring, start, conv_w.shape[1])
+    q, k, v, g, beta, _ = kda_prepare(qkv, proj[:tokens, 3 * p : 4 * p], b, window, conv_w, a_log, dt_bias, tokens,
                                       num_heads=num_heads, safe_gate=safe_gate, lower_bound=lower_bound)
     o, _, staged = kda_recurrent(q, k, v, g, beta, state, return_states=True)
-    return jnp.pad(o, [(0, proj.shape[0] - tokens), (0, 0), (0, 0)]), staged
+    return jnp.pad(o, [(0, proj.shape[0] - tokens), (0, 0), (0, 0)]), staged, ring_write(ring, qkv, start)
 
 
 def kda_step(state, q, k, v, g, beta):

@@ -10,3 +10,10 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x: [..., in]; w: [out, in] -> [..., out] in out_dtype (default: x's dtype), accumulated in f32
     and rounded once. Under TP a column-parallel weight gives this device's slice of the outputs."""
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32).astype(out_dtype or x.dtype)
+
+
+def dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
+    """linear for a weight of a few dozen outputs ([N, in], N ~ heads) on a few rows, as a multiply-reduce:
+    f32 products, an f32 sum, one rounding to x's dtype (one reduction fusion in XLA: lingjax.model.narrow_linear
+    says why). x: [..., in]; w: [N, in] -> [..., N]."""
+    return jnp.sum(x[..., None, :].astype(F32) * w.astype(F32), axis=-1).astype(x.dtype)

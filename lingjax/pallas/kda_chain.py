@@ -8,12 +8,21 @@ Every K-reduction is over the whole K axis of one tile, so BV does not change th
 the H200 the bits differ in the last place between BV16 and BV32 (the reduction tree follows the
 register layout, which BV sets), so the speculative step and plain decode must use one BV.
 
-The inputs are the layer's in_proj and b_proj outputs on all the forward's rows (lingjax.model: a
-decode/verify forward runs the projections on 16 zero-padded rows, the first T = `tokens` real). The
-kernel reads q|k|v, f and b of the T real rows in place, at their column offsets, and writes zeros
-to the output rows past T: slicing the inputs and padding `o` in XLA cost four small kernels around
-every KDA layer's call. Row j's results (o[j], staged[j]) depend on input rows 0..j, the window and
-the state alone, never on T or the row count (row invariance, see lingjax.model).
+The inputs are the layer's in_proj output and its input x on all the forward's rows (lingjax.model: a
+decode/verify forward runs the projections on 16 zero-padded rows, the first T = `tokens` real), and
+the b_proj weight. The kernel reads q|k|v and f of the T real rows in place, at their column offsets,
+computes beta's logit b_t = x_t·b_proj[h] itself (a 2560-long dot per row and program, beside the
+state's reads: XLA's own launch for b, a reduction fusion, cost ~2.5 µs and a gap per KDA layer), and
+writes zeros to the output rows past T: slicing the inputs and padding `o` in XLA cost four small
+kernels around every KDA layer's call. Row j's results (o[j], staged[j]) depend on input rows 0..j,
+the window and the state alone, never on T or the row count (row invariance, see lingjax.model).
+
+The conv window comes from the layer's conv ring (lingjax.cache: position p's pre-conv input in slot
+p mod N, N >= T + W - 1) at the slots of the W-1 positions before `start`, and the kernel writes each
+row's pre-conv input into its position's slot, in place: those slots are never the window's, so no
+program reads what another writes. A decode step thus moves no window (XLA's gather of the new window and
+its copy into the carried cache were 2 launches per KDA layer), and a verify leaves nothing to commit
+but the accepted state.
 
 Each program is a serial chain (T rows, a few cross-warp reductions each) and, at H = 32 and
 BV <= 32, all programs are resident at once, so the time is one program's latency. Options of
@@ -35,10 +44,13 @@ bench/results/kda_h200_2026-11-29.md, they took T = 1/6/16 from 9.3/17.1/47.5 µ
   the conv window carried, each row's prologue inside the loop and the next row's reads issued ahead
   of it. The unrolled kernel's rows past the eighth cost ~3.9 µs each; issuing the reads and prologue
   in blocks of rows did not change that, the loop's one row body did (~1.5 µs a row), so the cause is
-  the unrolled code itself, probably its size. The default (None) takes the loop at T = 1 and above
-  UNROLLED_MAX_T rows and the unrolled kernel between. The two compute bit-identical rows on the H200
-  (BV16: T = 1, 4, 6, 10, 16; BV32: T = 1, 4, 6), so a verify of any width matches plain decode. (In
-  interpret mode on the CPU they differ in the last bits.)
+  the unrolled code itself, probably its size. The loop is the default at every T: since beta's dot moved
+  into the kernel, the unrolled kernel, which holds every row's x (T x 2560 values) from its hoisted
+  reads, took T = 4 / 6 in 12.6 / 19.5 µs against the loop's 11.9 / 15.7 (one process on an H200,
+  bench/results/kda_h200x2_2026-11-30_run4.md; before, the unrolled kernel was the faster at T = 2..8).
+  The two compute bit-identical rows on the H200 (BV16: T = 1, 4, 6, 10, 16; BV32: T = 1, 4, 6, again
+  with beta's dot and the ring), so a verify of any width matches plain decode. (In interpret mode on the
+  CPU they differ in the last bits.)
 - deferred_norms: the predict, the read and q.k are summed against the raw (conv + SiLU) q and k and
   divided by the norms after, so the norms' reductions run beside the state's instead of ahead of them:
   one reduction less on each row's critical path (the whole chain at T = 1, every row in the loop).
@@ -67,11 +79,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import resolve_interpret
+from lingjax.pallas import pow2_tile, resolve_interpret
 
 F32 = jnp.float32
 MAX_T = 16
-UNROLLED_MAX_T = 8  # row_loop=None: the unrolled kernel for 2 to this many rows, the row loop at T = 1 and above
 
 
 def _head_and_tiles(tiles, block_v):
@@ -116,6 +127,21 @@ def _gate_beta(f, b, dtb, rate, *, safe_gate, lower_bound):
     return jnp.exp(g), jax.nn.sigmoid(b.astype(F32))
 
 
+def _beta_logit(x_chunks, w_chunks, dtype):
+    """Row t's b = x_t·b_proj[h] from the two rows' chunks: f32 products and sum, rounded once to x's
+    dtype, as lingjax.ops.linear.dot_rows (the summation order differs, the rounding point does not)."""
+    acc = x_chunks[0].astype(F32) * w_chunks[0].astype(F32)
+    for a, w in zip(x_chunks[1:], w_chunks[1:]):
+        acc = acc + a.astype(F32) * w.astype(F32)
+    return jnp.sum(acc).astype(dtype)
+
+
+def _chunks(n):
+    """pl.ds slices covering [0, n) in power-of-2 pieces (Triton's blocks): D = 2560 in 5 of 512."""
+    step = pow2_tile(n, 512)
+    return [pl.ds(c, step) for c in range(0, n, step)]
+
+
 def _chain_row(s, vs, decay, k, q, beta, qk, *, st_ref, o_ref, t, h, col0, block_v, norms=None):
     """One row of the gated delta rule on every V tile: s tiles x [K, BV] -> the new tiles, stored to
     st_ref[t] with the output row o_ref[t]; vs tiles x [BV]. qk None: read the written state.
@@ -151,15 +177,42 @@ def _zero_rows(o_ref, tokens, h, col0, block_v):
             o_ref[t, h, pl.ds(c, block_v)] = jnp.zeros((block_v,), F32)
 
 
-def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
-                  o_ref, st_ref,  # outputs
+def _channels(h, col0, num_heads, dim, block_v):
+    """(first column, width) of the conv channel blocks a program reads: its head's q and k, its v tiles."""
+    p = num_heads * dim
+    return [(h * dim, dim), (p + h * dim, dim)] + [(2 * p + h * dim + c, block_v) for c in col0]
+
+
+def _ring_slot(start, offset, size):
+    """The conv ring's slot of position start + offset, for start >= 0 and offset > -size."""
+    return jax.lax.rem(start + (offset + size), size)
+
+
+def _ring_store(ring_out, start, t, chans, rows, lead):
+    """Row t's pre-conv inputs (rows: one per channel block of `chans`, q and k first) into the slot of
+    position start + t: every program its v tiles, the head's first program (lead) its q and k."""
+    slot = _ring_slot(start, t, ring_out.shape[0])
+    for (c0, n), x in list(zip(chans, rows))[2:]:
+        ring_out[slot, pl.ds(c0, n)] = x.astype(ring_out.dtype)
+
+    @pl.when(lead)
+    def _():
+        for (c0, n), x in list(zip(chans, rows))[:2]:
+            ring_out[slot, pl.ds(c0, n)] = x.astype(ring_out.dtype)
+
+
+def _chain_kernel(proj_ref, x_ref, wb_ref, ring_ref, start_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
+                  o_ref, st_ref, ring_out,  # outputs
                   *, tokens, num_heads, dim, block_v, tiles, hoist_loads, safe_gate, lower_bound, parallel_read,
                   deferred_norms):
-    # proj_ref [rows, >=4P] (q|k|v columns [0, 3P), f [3P, 4P)); b_ref [rows, H]; win_ref [W-1, 3P];
-    # convw_ref [3P, W] f32; alog_ref [H]; dtb_ref [P]; s_ref [1, H, K, V] f32
+    # proj_ref [rows, >=4P] (q|k|v columns [0, 3P), f [3P, 4P)); x_ref [rows, D]; wb_ref [H, D] (b_proj);
+    # ring_ref [N, 3P] (aliased by ring_out); start_ref [1] int32; convw_ref [3P, W] f32; alog_ref [H];
+    # dtb_ref [P]; s_ref [1, H, K, V] f32
     # -> o_ref [rows, H, V] f32; st_ref [T, H, K, V] f32, T = tokens. Input rows >= T are never read.
     h, col0 = _head_and_tiles(tiles, block_v)
     p, width = num_heads * dim, convw_ref.shape[1]
+    start, slots, lead = start_ref[0], ring_ref.shape[0], pl.program_id(1) == 0
+    chans = _channels(h, col0, num_heads, dim, block_v)
 
     def early(fn):  # fn's result: computed here when hoisting, else once, where it is first used
         if hoist_loads:
@@ -172,13 +225,16 @@ def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,
 
     def channels(c0, n):  # conv weights W x [n] f32 and the W-1+T pre-conv input rows [n] of channels [c0, c0+n)
         return (early(lambda: [convw_ref[pl.ds(c0, n), i] for i in range(width)]),
-                [early(lambda r=r: win_ref[r, pl.ds(c0, n)]) for r in range(width - 1)]
+                [early(lambda r=r: ring_ref[_ring_slot(start, r - (width - 1), slots), pl.ds(c0, n)])
+                 for r in range(width - 1)]
                 + [early(lambda t=t: proj_ref[t, pl.ds(c0, n)]) for t in range(tokens)])
 
-    q_in, k_in = channels(h * dim, dim), channels(p + h * dim, dim)
-    v_in = [channels(2 * p + h * dim + c, block_v) for c in col0]
+    q_in, k_in, *v_in = [channels(c0, n) for c0, n in chans]
     f_in = [early(lambda t=t: proj_ref[t, pl.ds(3 * p + h * dim, dim)]) for t in range(tokens)]  # T x [K]
-    b_in = [early(lambda t=t: b_ref[t, h]) for t in range(tokens)]
+    x_cols = _chunks(x_ref.shape[1])
+    wb_in = early(lambda: [wb_ref[h, c] for c in x_cols])
+    b_in = [early(lambda t=t: _beta_logit([x_ref[t, c] for c in x_cols], wb_in(), x_ref.dtype))
+            for t in range(tokens)]
     alog_in, dtb_in = early(lambda: alog_ref[h]), early(lambda: dtb_ref[pl.ds(h * dim, dim)])
 
     # ---- prologue: everything that does not depend on the state
@@ -209,39 +265,48 @@ def _chain_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,
         decay, beta, qk = rows[t]()
         s = _chain_row(s, [v[t] for v in vs], decay, ks[t], qs[t], beta, qk, st_ref=st_ref, o_ref=o_ref, t=t,
                        h=h, col0=col0, block_v=block_v, norms=norms[t])
+    for t in range(tokens):
+        _ring_store(ring_out, start, t, chans, [src[width - 1 + t]() for _, src in [q_in, k_in, *v_in]], lead)
     _zero_rows(o_ref, tokens, h, col0, block_v)
 
 
-def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
-                       o_ref, st_ref,  # outputs
+def _chain_loop_kernel(proj_ref, x_ref, wb_ref, ring_ref, start_ref, convw_ref, alog_ref, dtb_ref, s_ref,  # inputs
+                       o_ref, st_ref, ring_out,  # outputs
                        *, tokens, num_heads, dim, block_v, tiles, safe_gate, lower_bound, parallel_read,
                        deferred_norms):
     # The same contract as _chain_kernel, the rows in a fori_loop: one compiled row body whatever T, the
     # conv window carried, and the next row's global reads issued before this row's reductions.
     h, col0 = _head_and_tiles(tiles, block_v)
     p, width = num_heads * dim, convw_ref.shape[1]
-    chans = [(h * dim, dim), (p + h * dim, dim)] + [(2 * p + h * dim + c, block_v) for c in col0]  # q, k, v tiles
+    start, slots, lead = start_ref[0], ring_ref.shape[0], pl.program_id(1) == 0
+    chans = _channels(h, col0, num_heads, dim, block_v)  # q, k, v tiles
 
-    def reads(t):  # row t's global reads: pre-conv q, k, v tiles, f, b
+    x_cols = _chunks(x_ref.shape[1])
+
+    def reads(t):  # row t's global reads: pre-conv q, k, v tiles, f, and x (for b)
         return ([proj_ref[t, pl.ds(c0, n)] for c0, n in chans], proj_ref[t, pl.ds(3 * p + h * dim, dim)],
-                b_ref[t, h])
+                [x_ref[t, c] for c in x_cols])
 
     s0 = [s_ref[0, h, :, pl.ds(c, block_v)] for c in col0]  # tiles x [K, BV]
-    win0 = [[win_ref[r, pl.ds(c0, n)].astype(F32) for r in range(width - 1)] for c0, n in chans]
+    win0 = [[ring_ref[_ring_slot(start, r - (width - 1), slots), pl.ds(c0, n)].astype(F32) for r in range(width - 1)]
+            for c0, n in chans]
     first = reads(0)
+    wb = [wb_ref[h, c] for c in x_cols]
     conv_w = [[convw_ref[pl.ds(c0, n), i] for i in range(width)] for c0, n in chans]
     rate = jnp.exp(alog_ref[h].astype(F32))
     dtb = dtb_ref[pl.ds(h * dim, dim)].astype(F32)
 
     def row(t, carry):
-        s, win, (x_t, f_t, b_t) = carry
+        s, win, (x_t, f_t, xb_t) = carry
         nxt = reads(jnp.minimum(t + 1, tokens - 1))  # the last row re-reads itself, unused
+        b_t = _beta_logit(xb_t, wb, x_ref.dtype)
         src = [rows + [x.astype(F32)] for rows, x in zip(win, x_t)]
         q_conv, k_conv, *vs = [_conv_silu(w, x) for w, x in zip(conv_w, src)]
         q, k, norms = _q_k(q_conv, k_conv, dim, deferred_norms)
         decay, beta = _gate_beta(f_t, b_t, dtb, rate, safe_gate=safe_gate, lower_bound=lower_bound)
         s = _chain_row(s, vs, decay, k, q, beta, _qk(q, k, norms) if parallel_read else None, st_ref=st_ref,
                        o_ref=o_ref, t=t, h=h, col0=col0, block_v=block_v, norms=norms)
+        _ring_store(ring_out, start, t, chans, x_t, lead)
         return s, [x[1:] for x in src], nxt
 
     jax.lax.fori_loop(0, tokens, row, (s0, win0, first))
@@ -251,28 +316,33 @@ def _chain_loop_kernel(proj_ref, b_ref, win_ref, convw_ref, alog_ref, dtb_ref, s
 @functools.partial(jax.jit, static_argnames=("tokens", "num_heads", "safe_gate", "lower_bound", "block_v",
                                              "num_warps", "hoist_loads", "parallel_read", "tiles_per_program",
                                              "row_loop", "deferred_norms", "in_place", "interpret"))
-def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate, lower_bound,
+def kda_chain_verify(proj, x, b_proj, ring, start, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate,
+                     lower_bound,
                      block_v: int = 32, num_warps: int = 4, hoist_loads: bool = True,
-                     parallel_read: bool = True, tiles_per_program: int = 1, row_loop: bool | None = None,
+                     parallel_read: bool = True, tiles_per_program: int = 1, row_loop: bool = True,
                      deferred_norms: bool = True, in_place: bool = True, interpret=None):
     """Same arguments and results as lingjax.ops.kda.kda_chain: (o [rows, H, V] f32, zero past row
-    `tokens`; staged [tokens, H, K, V] f32). block_v: V columns per tile; tiles_per_program (clamped to
-    V / block_v), hoist_loads, parallel_read, row_loop (None: the loop at T = 1 and above UNROLLED_MAX_T
-    rows, unrolled between): see the module docstring. in_place (T = 1 only): staged aliases the state, which
+    `tokens`; staged [tokens, H, K, V] f32; the ring [N, 3P] with the rows' conv inputs written, in place:
+    the output aliases `ring`, so where the ring is not donated XLA copies it first). block_v: V columns
+    per tile; tiles_per_program (clamped to
+    V / block_v), hoist_loads (unrolled kernel only), parallel_read, row_loop (False: the unrolled kernel):
+    see the module docstring. in_place (T = 1 only): staged aliases the state, which
     the kernel overwrites (each program reads its [K, BV] tile whole, for the row's reductions, before its
     one write), so under a loop carrying the state (the model's decode) the new state needs no copy; where
     the state is not donated XLA copies it first (the benches' loop-invariant inputs: they pass False)."""
     rows = proj.shape[0]
     h, dk, dv = state.shape
     assert 1 <= tokens <= min(rows, MAX_T), f"chain-verify takes 1..{MAX_T} tokens of {rows} rows, got {tokens}"
-    assert b.shape == (rows, h), (b.shape, proj.shape)
+    assert x.shape[0] == rows and b_proj.shape == (h, x.shape[1]), (x.shape, b_proj.shape, proj.shape)
     assert h == num_heads and dk == dv and proj.shape[1] >= 4 * h * dk, (proj.shape, state.shape)
+    width = conv_w.shape[1]
+    assert ring.shape == (ring.shape[0], 3 * h * dk) and ring.shape[0] >= tokens + width - 1, (ring.shape, tokens)
     block_v = min(block_v, dv)
     tiles = min(tiles_per_program, dv // block_v)
     assert dv % (block_v * tiles) == 0, (dv, block_v, tiles)
     cfg = dict(tokens=tokens, num_heads=h, dim=dk, block_v=block_v, tiles=tiles, safe_gate=safe_gate,
                lower_bound=lower_bound, parallel_read=parallel_read, deferred_norms=deferred_norms)
-    if row_loop or (row_loop is None and (tokens == 1 or tokens > UNROLLED_MAX_T)):
+    if row_loop:
         kernel = functools.partial(_chain_loop_kernel, **cfg)
     else:
         kernel = functools.partial(_chain_kernel, hoist_loads=hoist_loads, **cfg)
@@ -280,51 +350,42 @@ def kda_chain_verify(proj, b, window, conv_w, a_log, dt_bias, state, *, tokens, 
         kernel,
         grid=(h, dv // (block_v * tiles)),
         out_shape=(jax.ShapeDtypeStruct((rows, h, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((tokens, h, dk, dv), jnp.float32)),
-        input_output_aliases={6: 1} if in_place and tokens == 1 else {},
+                   jax.ShapeDtypeStruct((tokens, h, dk, dv), jnp.float32),
+                   jax.ShapeDtypeStruct(ring.shape, ring.dtype)),
+        # the ring always (its slots past the rows keep their contents); the state at T = 1 if in_place
+        input_output_aliases={3: 2, **({8: 1} if in_place and tokens == 1 else {})},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=resolve_interpret(interpret),
         name="kda_chain_verify",
-    )(proj, b, window, conv_w.astype(jnp.float32), a_log, dt_bias, state.astype(jnp.float32)[None])
+    )(proj, x, b_proj, ring, jnp.asarray(start, jnp.int32).reshape(1), conv_w.astype(jnp.float32), a_log, dt_bias,
+      state.astype(jnp.float32)[None])
 
 
-def _commit_kernel(n_ref, st_ref, win_ref, s_out, w_out, *, dim, block_k):
-    # n_ref [1] int32; st_ref [T, H, K, V] f32; win_ref [T, W-1, 3P] -> s_out [H, K, V]; w_out [W-1, 3P]
+def _commit_kernel(n_ref, st_ref, s_out, *, block_k):
+    # n_ref [1] int32; st_ref [T, H, K, V] f32 -> s_out [H, K, V]
     h, i = pl.program_id(0), pl.program_id(1)
-    n = n_ref[0]
-    p = pl.num_programs(0) * dim
     rows = pl.ds(i * block_k, block_k)
-    s_out[h, rows, :] = st_ref[n, h, rows, :]
-
-    @pl.when(i == 0)
-    def _():  # head h's q, k and v channels of the accepted row's window
-        for r in range(win_ref.shape[1]):
-            for c0 in (h * dim, p + h * dim, 2 * p + h * dim):
-                w_out[r, pl.ds(c0, dim)] = win_ref[n, r, pl.ds(c0, dim)]
+    s_out[h, rows, :] = st_ref[n_ref[0], h, rows, :]
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "interpret"))
-def kda_commit(staged, windows, n, *, block_k: int = 32, interpret=None):
-    """Commit the accepted row: (staged [T, H, K, V], windows [T, W-1, 3P] from
-    lingjax.ops.kda.conv_windows, n int32 device scalar = accepted count - 1)
-    -> (state [H, K, V] = staged[n], window [W-1, 3P] = windows[n]), one launch.
-    n = 0 is the zero-accept commit (state after the first row), n = T-1 all-accept."""
+def kda_commit(staged, n, *, block_k: int = 32, interpret=None):
+    """Commit the accepted row's state: staged [T, H, K, V], n int32 device scalar = accepted count - 1
+    -> staged[n] [H, K, V], one launch. n = 0 is the zero-accept commit (state after the first row),
+    n = T-1 all-accept. The conv ring needs no commit (lingjax.cache)."""
     _, h, dk, dv = staged.shape
     block_k = min(block_k, dk)
-    assert windows.shape[2] == 3 * h * dk and dk % block_k == 0
-    kernel = functools.partial(_commit_kernel, dim=dk, block_k=block_k)
+    assert dk % block_k == 0
     return pl.pallas_call(
-        kernel,
+        functools.partial(_commit_kernel, block_k=block_k),
         grid=(h, dk // block_k),
-        out_shape=(jax.ShapeDtypeStruct(staged.shape[1:], staged.dtype),
-                   jax.ShapeDtypeStruct(windows.shape[1:], windows.dtype)),
+        out_shape=jax.ShapeDtypeStruct(staged.shape[1:], staged.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=resolve_interpret(interpret),
         name="kda_commit",
-    )(jnp.asarray(n, jnp.int32).reshape(1), staged, windows)
+    )(jnp.asarray(n, jnp.int32).reshape(1), staged)
 
 
-def kda_commit_reference(staged, windows, n):
-    """The same commit as two XLA dynamic slices."""
-    return (jax.lax.dynamic_index_in_dim(staged, n, keepdims=False),
-            jax.lax.dynamic_index_in_dim(windows, n, keepdims=False))
+def kda_commit_reference(staged, n):
+    """The same commit as XLA's dynamic slice."""
+    return jax.lax.dynamic_index_in_dim(staged, n, keepdims=False)
