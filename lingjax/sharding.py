@@ -11,7 +11,7 @@ Exec.tp_axis names the mesh axis:
 - replicated: embeddings, norms, the router and its bias, MLA kv_a_proj (so the latent cache is
   replicated), the MTP layer's eh_proj;
 - vocab-parallel lm_head, with Exec.argmax_vocab for the distributed greedy argmax.
-Caches: KDA state and conv window split by head, MLA latent caches replicated.
+Caches: KDA state and conv ring split by head, MLA latent caches replicated.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def check_tp(cfg: LingConfig, tp: int) -> None:
 
 
 def cache_spec(cache):
-    """KDA states [H, K, V] and conv windows [W-1, 3, P] split by head; everything else replicated."""
+    """KDA states [H, K, V] and conv rings [N, 3, P] split by head; everything else replicated."""
     from lingjax.cache import KDACache
 
     def spec(entry):
