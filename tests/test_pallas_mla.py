@@ -73,8 +73,10 @@ def test_bf16_cache_and_far_slots_unread():
 @pytest.mark.parametrize("h,dtype", [(16, jnp.bfloat16), (6, jnp.bfloat16), (6, jnp.float32)])
 def test_row_invariance(h, dtype):
     """Row j's result is the same bit for bit whatever T and the padding rows hold (a verify equals
-    plain decode): tokens 1, 4 and 7 over the same rows, and the real rows alone. h = 6: blocks of 16
-    rows mix tokens, so a row's block sees further at larger T."""
+    plain decode): tokens 1, 4 and 7 over the same rows, and 4 tokens with other padding rows. h = 6:
+    blocks of 16 rows mix tokens, so a row's block sees further at larger T. (Not the 4 real rows alone:
+    the model always runs 16 rows here, and XLA's CPU dot in absorb_query rounds by its row count on some
+    machines, 1 ulp apart between 4 and 16 rows, whatever the kernel does.)"""
     cap = 128
     q_nope, q_pe, cache, w_kvb = _inputs(4, 16, h, cap, dtype)
     positions = 50 + 3 * jnp.arange(16)
@@ -83,5 +85,8 @@ def test_row_invariance(h, dtype):
            for t in (1, 4, 7)}
     for t in (1, 4):
         assert np.array_equal(out[t][:t], out[7][:t])
-    alone = mla_decode_attention(q_nope[:4], q_pe[:4], cache, w_kvb, positions[:4], 0.3, tokens=4, **cfg)
-    assert np.array_equal(np.asarray(alone), out[4][:4])
+    noise = jax.random.normal(jax.random.key(5), q_nope.shape[:2] + (q_nope.shape[2] + q_pe.shape[2],))
+    other = mla_decode_attention(q_nope.at[4:].set(noise[4:, :, :q_nope.shape[2]].astype(q_nope.dtype)),
+                                 q_pe.at[4:].set(noise[4:, :, q_nope.shape[2]:].astype(q_pe.dtype)), cache, w_kvb,
+                                 positions, 0.3, tokens=4, **cfg)
+    assert np.array_equal(np.asarray(other)[:4], out[4][:4])
