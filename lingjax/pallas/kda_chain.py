@@ -188,6 +188,11 @@ def _ring_slot(start, offset, size):
     return jax.lax.rem(start + (offset + size), size)
 
 
+def _window_slots(start, width, size):
+    """The ring slots of the W-1 positions before start, oldest first: the conv window's rows."""
+    return [_ring_slot(start, r - (width - 1), size) for r in range(width - 1)]
+
+
 def _ring_store(ring_out, start, t, chans, rows, lead):
     """Row t's pre-conv inputs (rows: one per channel block of `chans`, q and k first) into the slot of
     position start + t: every program its v tiles, the head's first program (lead) its q and k."""
@@ -225,8 +230,7 @@ def _chain_kernel(proj_ref, x_ref, wb_ref, ring_ref, start_ref, convw_ref, alog_
 
     def channels(c0, n):  # conv weights W x [n] f32 and the W-1+T pre-conv input rows [n] of channels [c0, c0+n)
         return (early(lambda: [convw_ref[pl.ds(c0, n), i] for i in range(width)]),
-                [early(lambda r=r: ring_ref[_ring_slot(start, r - (width - 1), slots), pl.ds(c0, n)])
-                 for r in range(width - 1)]
+                [early(lambda r=r: ring_ref[r, pl.ds(c0, n)]) for r in _window_slots(start, width, slots)]
                 + [early(lambda t=t: proj_ref[t, pl.ds(c0, n)]) for t in range(tokens)])
 
     q_in, k_in, *v_in = [channels(c0, n) for c0, n in chans]
@@ -288,8 +292,7 @@ def _chain_loop_kernel(proj_ref, x_ref, wb_ref, ring_ref, start_ref, convw_ref, 
                 [x_ref[t, c] for c in x_cols])
 
     s0 = [s_ref[0, h, :, pl.ds(c, block_v)] for c in col0]  # tiles x [K, BV]
-    win0 = [[ring_ref[_ring_slot(start, r - (width - 1), slots), pl.ds(c0, n)].astype(F32) for r in range(width - 1)]
-            for c0, n in chans]
+    win0 = [[ring_ref[r, pl.ds(c0, n)].astype(F32) for r in _window_slots(start, width, slots)] for c0, n in chans]
     first = reads(0)
     wb = [wb_ref[h, c] for c in x_cols]
     conv_w = [[convw_ref[pl.ds(c0, n), i] for i in range(width)] for c0, n in chans]
@@ -336,7 +339,7 @@ def kda_chain_verify(proj, x, b_proj, ring, start, conv_w, a_log, dt_bias, state
     assert x.shape[0] == rows and b_proj.shape == (h, x.shape[1]), (x.shape, b_proj.shape, proj.shape)
     assert h == num_heads and dk == dv and proj.shape[1] >= 4 * h * dk, (proj.shape, state.shape)
     width = conv_w.shape[1]
-    assert ring.shape == (ring.shape[0], 3 * h * dk) and ring.shape[0] >= tokens + width - 1, (ring.shape, tokens)
+    assert ring.ndim == 2 and ring.shape[1] == 3 * h * dk and ring.shape[0] >= tokens + width - 1, (ring.shape, tokens)
     block_v = min(block_v, dv)
     tiles = min(tiles_per_program, dv // block_v)
     assert dv % (block_v * tiles) == 0, (dv, block_v, tiles)
