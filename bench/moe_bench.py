@@ -37,12 +37,12 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # the Flash clamps of the late layers (ling3_architecture.md §6.3)
 ROUTERS = {  # name -> route() options; "legacy" is the first version, the rest the vector select kernel
     "legacy": dict(LEGACY),
-    "default": {},  # K split 5, be 16, 1 select warp per token
+    "default": {},  # K split 5, be 16, 4 select warps per token
     "ks=2 bk=256": dict(k_splits=2, bk=256),
     "ks=10 bk=256": dict(k_splits=10, bk=256),
     "be=32": dict(be=32),
+    "select 1 warp": dict(select_warps=1),
     "select 2 warps": dict(select_warps=2),
-    "select 4 warps": dict(select_warps=4),
 }
 
 
@@ -219,8 +219,8 @@ def main():
 
     # (5) tile sweep, experts alone (routing from the reference, shared not included)
     say("\n## fused_experts tile sweep (routed experts only; floor = distinct × 11.80 MB); the table above used the defaults (up tile 32 x 256 at every T, bn_down=64, stages=3)")
-    sweep = [dict(bn_up=16, bk_up=256, bn_down=64, stages=3), dict(bn_up=32, bk_up=256, bn_down=64, stages=3),
-             dict(bn_up=64, bk_up=128, bn_down=64, stages=3)]  # bk_up=512 at 4 stages overflowed shared memory
+    sweep = [dict(bn_up=16, bk_up=256, bn_down=64), dict(bn_up=32, bk_up=256, bn_down=64),
+             dict(bn_up=64, bk_up=128, bn_down=64)]  # bk_up=512 at 4 stages overflowed shared memory
     best = {}
     for t in ts[:2]:
         xs = [jax.random.normal(jax.random.key(300 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]

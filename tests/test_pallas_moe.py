@@ -79,7 +79,7 @@ def _router_inputs(t, d, e):
             0.1 * jax.random.normal(ks[2], (e,)))
 
 
-VARIANTS = {"default": {}, "legacy": LEGACY, "ks=2 select 4 warps": dict(k_splits=2, select_warps=4)}
+VARIANTS = {"default": {}, "legacy": LEGACY, "ks=2 select 1 warp": dict(k_splits=2, select_warps=1)}
 FLASH_ROUTING = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)
 
 

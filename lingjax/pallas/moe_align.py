@@ -7,8 +7,11 @@ over the expert axis, a grid-wide scan, then placement). At batch 1 there are on
 "moe_align, on the pair axis"): an [NP, NP] comparison gives every pair its stable rank inside its
 expert's bucket and the bucket's size; a bucket's rank-0 pair is its representative, whose padded
 size and bucket-ordered exclusive offset place every pair; the published total and the expert of
-every block follow from the representatives alone. Buckets are ordered by expert id, so the result
-is bit-identical to the sort-based reference `align_reference` (also the fallback for NP > 64).
+every block follow from the representatives alone. Each pair is then stored into its slot (a scatter)
+and the sentinel into the rest, all in one pass: the first version matched every slot against every pair
+in a loop over chunks of 128 slots, 18 µs at NP = 48 on the H200 against 5.0 for the scatter
+(bench/results/moe_h200_2026-12-01.md). Buckets are ordered by expert id, so the result is
+bit-identical to the sort-based reference `align_reference` (also the fallback for NP > 64).
 At T = 1 the expert kernels need no plan at all (moe_experts._single_token_plan).
 
 Outputs (S = n_blocks · block_m slots, padding slots hold the sentinel NP):
@@ -66,7 +69,7 @@ def align_reference(experts: jax.Array, block_m: int, n_blocks: int | None = Non
     return sorted_ids, block_expert.astype(_I32), pos, meta
 
 
-def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m, chunk):
+def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m):
     # e_ref: [≥ NPP] int32 expert per pair (NPP = NP rounded up to a power of 2; entries past NP ignored)
     # ids_ref: [S] int32; blk_ref: [NB] int32; pos_ref: [NPP] int32; meta_ref: [2] int32
     npp = pos_ref.shape[0]
@@ -87,33 +90,41 @@ def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m
     pos_ref[...] = pos
     meta_ref[...] = jnp.where(jnp.arange(2, dtype=_I32) == 0, total, total // block_m)
 
-    # Every block's expert: the representative whose padded range holds the block's first slot.
+    # Every block's bucket: the representative whose padded range holds the block's first slot.
     nb = blk_ref.shape[0]
     bstart = jax.lax.broadcasted_iota(_I32, (nb, npp), 0) * block_m
-    off_j, pad_j, rep_j = offset[None, :], padded[None, :], rep[None, :]
-    hit = rep_j & (off_j <= bstart) & (bstart < off_j + pad_j)  # [NB, NPP]
-    blk_ref[...] = jnp.where(jnp.where(hit, 1, 0).sum(axis=1) > 0, jnp.where(hit, ej, 0).sum(axis=1), -1)
+    hit = rep[None, :] & (offset[None, :] <= bstart) & (bstart < (offset + padded)[None, :])  # [NB, NPP]
+    found = jnp.where(hit, 1, 0).sum(axis=1) > 0
 
-    # Slot -> pair, `chunk` slots at a time (an [S, NPP] match would not fit in registers).
-    def fill(c, carry):
-        slot = c * chunk + jax.lax.broadcasted_iota(_I32, (chunk, npp), 0)
-        pair = jax.lax.broadcasted_iota(_I32, (chunk, npp), 1)
-        match = (pos[None, :] == slot) & valid[None, :]
-        found = jnp.where(match, 1, 0).sum(axis=1) > 0
-        ids_ref[pl.ds(c * chunk, chunk)] = jnp.where(found, jnp.where(match, pair, 0).sum(axis=1), npairs)
-        return carry
+    def bucket_value(v):  # [NPP] -> [NB]: v of each block's bucket (0 past the total)
+        return jnp.where(hit, v[None, :], 0).sum(axis=1)
 
-    jax.lax.fori_loop(0, ids_ref.shape[0] // chunk, fill, 0)
+    blk_ref[...] = jnp.where(found, bucket_value(e), -1)
+
+    # Slot -> pair by scatter: pair p into slot pos[p], and the sentinel NP into every other slot (the
+    # slots past its bucket's count in each block, every slot of an unused block). The two stores touch
+    # disjoint slots, so neither needs to wait for the other: one pass, no [S, NP] match.
+    slot = (jax.lax.broadcasted_iota(_I32, (nb, block_m), 0) * block_m
+            + jax.lax.broadcasted_iota(_I32, (nb, block_m), 1))  # [NB, BM]
+    in_bucket = slot - bucket_value(offset)[:, None] < bucket_value(count)[:, None]
+    pltriton.store(ids_ref.at[slot], jnp.full((nb, block_m), npairs, _I32), mask=~(found[:, None] & in_bucket))
+    # The NPP - NP padding pairs repeat pair 0's store (same slot, same value) rather than being masked out:
+    # interpret mode stores a masked lane's old value, which would race pair 0's store to slot 0.
+    pairs = jnp.arange(npp, dtype=_I32)
+    pos0 = jnp.where(pairs == 0, pos, 0).sum()
+    ids_ref[jnp.where(valid, pos, pos0)] = jnp.where(valid, pairs, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "n_blocks", "tokens", "chunk", "num_warps", "interpret"))
-def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, tokens=None, chunk=128, num_warps=4, interpret=None):
+@functools.partial(jax.jit, static_argnames=("block_m", "n_blocks", "tokens", "num_warps", "interpret"))
+def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, tokens=None, num_warps=8, interpret=None):
     """Pair-axis moe_align, one launch; NP > PAIR_LIMIT falls back to `align_reference`.
 
     experts: [R, k] int32, of which the first `tokens` rows (default all) are aligned: NP = tokens·k. The
     kernel reads the rows in place, so a verify's zero-padded rows (lingjax/model.py, row invariance)
     need no slicing launch. Returns (sorted_ids [S], block_expert [NB], pos [NP], meta [2]); S and NB
     may be padded past NP·block_m and NP (to powers of 2): the extra blocks read −1 and the extra slots NP.
+    num_warps: 8 by default (on the H200 4.5 µs at NP = 48 and 64, against 4.8-5.0 at 4 warps and 6.4-7.2 at
+    1 or 2; bench/results/moe_h200_2026-12-01.md).
     """
     interpret = resolve_interpret(interpret)
     flat = experts.reshape(-1).astype(_I32)
@@ -123,11 +134,10 @@ def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, tokens=None, chunk=128
     npp = pl.next_power_of_2(npairs)
     nb = pl.next_power_of_2(n_blocks or n_blocks_for(npairs, block_m))
     slots = nb * block_m
-    chunk = min(chunk, slots)
     if flat.shape[0] < npp:
         flat = jnp.pad(flat, (0, npp - flat.shape[0]))
     ids, blk, pos, meta = pl.pallas_call(
-        functools.partial(_align_kernel, npairs=npairs, block_m=block_m, chunk=chunk),
+        functools.partial(_align_kernel, npairs=npairs, block_m=block_m),
         out_shape=(
             jax.ShapeDtypeStruct((slots,), _I32),
             jax.ShapeDtypeStruct((nb,), _I32),

@@ -125,10 +125,10 @@ def _single_token_plan(experts, block_m: int):
 @functools.partial(
     jax.jit,
     static_argnames=("limit", "tokens", "block_m", "bn_up", "bk_up", "bn_down", "bk_down", "warps_up",
-                     "warps_down", "stages", "shared_limit", "interpret"),
+                     "warps_down", "stages_up", "stages_down", "shared_limit", "interpret"),
 )
-def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, tokens=None, block_m=BLOCK_M, bn_up=32,
-                  bk_up=256, bn_down=64, bk_down=256, warps_up=4, warps_down=4, stages=3, shared=None,
+def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, tokens=None, block_m=BLOCK_M, bn_up=64,
+                  bk_up=128, bn_down=64, bk_down=128, warps_up=4, warps_down=4, stages_up=5, stages_down=3, shared=None,
                   shared_limit=0.0, interpret=None, y_init=None):
     """Σ_k w·E_k(x) as [T, D] f32; same arguments and result as `experts_gathered`.
 
@@ -138,10 +138,14 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     `shared=(w_gate [I, D], w_up [I, D], w_down [D, I])` also runs the shared expert
     (clamped at `shared_limit`) as extra blocks of the same two launches and adds it, unweighted, to the
     result. `y_init` ([NP + 1 (+ T), D] f32, tests only) seeds the output rows so that a row no kernel wrote
-    shows up. One up tile for every T: a token's row must round the same in a T=1 decode and in a
-    verify (row invariance, lingjax/model.py), and the K tile sets its summation order. 32 x 256 is the
-    best at T = 6 (H200 sweep, bench/results/moe_h200_2026-11-29_run3.md: 142.5 vs 146.6 µs for 64 x 128);
-    at T = 1 64 x 128 was 1.8 µs faster (37.5 vs 39.3 µs).
+    shows up.
+
+    Tiles: one set for every T. On the H200 every tile set tried gave a token's row the same bits in a T=1
+    decode as in a T=6 verify (18 up and down variants: the tensor cores accumulate along K in one order
+    whatever the tile), but one set keeps row invariance (lingjax/model.py) off that measurement. The
+    defaults were the fastest at T = 1, 4 and 6, at I = 768 (TP1) and at I = 384 (a TP2 device's half):
+    up 64 x 128 at 5 stages, down 64 x 128 at 3 (bench/results/moe_h200_2026-12-01.md: at T = 1, I = 768
+    up 20.7 and down 11.0 µs against 23.8 and 13.1 for the previous 32 x 256 / 64 x 256).
     """
     interpret = resolve_interpret(interpret)
     rows, d = x.shape
@@ -165,7 +169,7 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     slots = ids.shape[0]
     ns = 0 if shared is None else pl.cdiv(t, block_m)  # shared-expert blocks
 
-    def params(warps):
+    def params(warps, stages):
         return None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
     h = pl.pallas_call(
@@ -173,7 +177,7 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
                           limit=float(limit), shared_limit=float(shared_limit)),
         out_shape=jax.ShapeDtypeStruct((slots + ns * block_m, i_dim), x.dtype),
         grid=(nb + ns, i_dim // bn_up),
-        compiler_params=params(warps_up),
+        compiler_params=params(warps_up, stages_up),
         interpret=interpret,
         name="moe_up_swiglu",
     )(ids, blk, x, w_gate, w_up, *(() if shared is None else shared[:2]))
@@ -189,7 +193,7 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
         out_shape=jax.ShapeDtypeStruct((out_rows, d), F32),
         grid=(nb + ns, d // bn_down),
         input_output_aliases=aliases,
-        compiler_params=params(warps_down),
+        compiler_params=params(warps_down, stages_down),
         interpret=interpret,
         name="moe_down_combine",
     )(*down_args)
@@ -217,7 +221,7 @@ if __name__ == "__main__":  # GPU: sweep tiles at Flash size, check each, µs an
         n_dist = sum(len(set(jax.device_get(s[5]).ravel().tolist())) for s in sets) / layers
         floor_us = n_dist * 3 * i * d * 2 / bw * 1e6
         for bn_up, bk_up, bn_down, stages in [(16, 256, 64, 3), (32, 256, 64, 3), (64, 128, 64, 3)]:
-            kw = dict(bn_up=bn_up, bk_up=bk_up, bn_down=bn_down, stages=stages)
+            kw = dict(bn_up=bn_up, bk_up=bk_up, bn_down=bn_down, stages_up=stages, stages_down=stages)
             err = float(jnp.abs(fused_experts(*sets[0], **kw) - want).max() / jnp.abs(want).max())
             run = jax.jit(lambda ss, kw=kw: jax.lax.fori_loop(0, 50, lambda _, acc: acc + sum(
                 fused_experts(*s[:4], s[4] + acc[0, 0] * 0, s[5], **kw)[0, 0] for s in ss), 0.0))

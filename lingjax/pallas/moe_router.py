@@ -4,8 +4,8 @@ Two launches, both tiny:
   1. Gate GEMV, grid (E tile, K split, token block): partial logits [KS, T, E] f32. Reading the 2.6 MB
      router weight at full bandwidth needs many CTAs in flight at once: the default K split of 5 gives
      32 × 5 = 160 programs of one 16 KB tile each (k_splits=1 gave 32 programs streaming 80 KB).
-  2. Selection, one token per program (select="vector", the default): sum the K-split partials, sigmoid,
-     add the bias for selection only, top-2 sum per group, keep the top `topk_group` groups, top-k experts,
+  2. Selection, one token per program of 4 warps (select="vector", the default): sum the K-split partials,
+     sigmoid, add the bias for selection only, top-2 sum per group, keep the top `topk_group` groups, top-k experts,
      weights from the raw scores, renormalise, scale. Building the experts' align plan in this kernel too
      (one program over all tokens) was tried and measured slower than router + a separate align launch
      (T = 6 on the H200: 37.1 vs 27.7 µs, bench/results/moe_h200_2026-11-29_run3.md).
@@ -190,12 +190,14 @@ def _gemv(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt, warp
                      "interpret"),
 )
 def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize, precision="f32", be=16,
-          bk=512, k_splits=5, bt=16, warps=4, stages=3, tensor_core_f32=True, select="vector", select_warps=1,
+          bk=512, k_splits=5, bt=16, warps=4, stages=3, tensor_core_f32=True, select="vector", select_warps=4,
           interpret=None):
     """Same as lingjax.ops.moe.route: x [T, D], router_w [E, D], bias [E] -> (weights [T, k] f32, experts
     [T, k] int32).
 
-    select_warps: 1 by default (one token per program: no cross-warp barrier in any reduction).
+    select_warps: warps of each select program (one token each). 4 by default: on the H200 the select
+    kernel took 4.9 µs at 4 warps, 5.0-5.2 at 2 and 5.5-5.6 at 1, at T = 1, 6 and 8
+    (bench/results/moe_h200_2026-12-01.md).
     """
     if precision not in ("f32", "bf16"):
         raise ValueError(f"precision must be 'f32' or 'bf16', got {precision!r}")
