@@ -6,7 +6,9 @@ In one process: (1) correctness of the Pallas router, align and experts against 
 checked against the reference; (4) whole MoE layers: plain XLA (ops.moe route + experts_gathered + mlp), the
 previous Pallas path (LEGACY bf16 router, shared expert fused into the expert kernels) and the model's path
 (the f32 router with default options, as lingjax.model.MoE calls it; fused_experts makes its own align plan,
-shared fused); (5) a tile sweep of fused_experts alone.
+shared fused), and the model path's kernels one by one (profiled); (5) fused_experts' tiles in the model-path
+layer: the up and down kernels' profiled times per tile pair at T in {1, 4, 6}, at I = 768 and at a TP2
+device's I = 384, and each pair's rows checked bit-equal to the default's (row invariance).
 
 Timing is in-graph: a jitted fori_loop over 8 layers whose weights are distinct arrays (24 GB, so L2 never
 holds them), medians over repeated calls. Each layer's input is a fixed random x plus 1e-30 × the previous
@@ -20,12 +22,16 @@ the distinct-expert count of the floor is exact: floor = (distinct + shared) × 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import statistics
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lingjax import profiling
 from lingjax.ops import moe as moe_ops
 from lingjax.pallas.moe_align import BLOCK_M, align_reference, moe_align
 from lingjax.pallas.moe_experts import fused_experts
@@ -45,6 +51,26 @@ ROUTERS = {  # name -> route() options; "legacy" is the first version, the rest 
     "select 2 warps": dict(select_warps=2),
 }
 
+# (up, down) tile pairs of the sweep, the first the defaults; the rest each the best of a wider sweep at some
+# T or width (bench/results/moe_h200_2026-12-01.md), or the previous defaults (32 x 256 / 64 x 256)
+UP_TILES = [{}, dict(bn_up=32, bk_up=256, stages_up=3), dict(bn_up=64, bk_up=128, stages_up=4),
+            dict(bn_up=64, bk_up=256, stages_up=3), dict(bn_up=16, bk_up=256, stages_up=4)]
+DOWN_TILES = [{}, dict(bn_down=64, bk_down=256, stages_down=3), dict(bn_down=64, bk_down=128, stages_down=4),
+              dict(bn_down=128, bk_down=128, stages_down=3), dict(bn_down=32, bk_down=128, stages_down=4)]
+
+
+def kernel_us(fn, *args) -> dict:
+    """Median duration per kernel name (µs) in a profile of fn(*args), after one untimed call."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as tmp:
+        with profiling.capture(tmp) as trace:
+            jax.block_until_ready(fn(*args))
+        per = collections.defaultdict(list)
+        for k in profiling.load_kernels(trace.path):
+            if k.device == 0:
+                per[k.name].append(k.dur_us)
+    return {name: statistics.median(v) for name, v in per.items()}
+
 
 def make_layer(key, d, i, e):
     ks = jax.random.split(key, 8)
@@ -60,13 +86,13 @@ def xla_layer(x, p, cfg):
     return (y + moe_ops.mlp(x, p["sg"], p["su"], p["sd"], SHARED_LIMIT)).astype(x.dtype)
 
 
-def pallas_layer(x, p, cfg, router, precision="f32", tiles=None, interpret=None):
+def pallas_layer(x, p, cfg, router, precision="f32", tiles=None, interpret=None, dtype=None):
     """The Pallas layer with the shared expert fused into the expert kernels (as the model runs it); fused_experts
-    makes its own align plan (an align launch at T > 1, none at T = 1)."""
+    makes its own align plan (an align launch at T > 1, none at T = 1). Rounded to `dtype` (default x's)."""
     weights, experts = route(x, p["router"], p["bias"], precision=precision, interpret=interpret, **cfg, **router)
     y = fused_experts(x, p["wg"], p["wu"], p["wd"], weights, experts, LIMIT, shared=(p["sg"], p["su"], p["sd"]),
                       shared_limit=SHARED_LIMIT, interpret=interpret, **(tiles or {}))
-    return y.astype(x.dtype)
+    return y.astype(dtype or x.dtype)
 
 
 def loop_over_layers(layer_fn, n_iter):
@@ -203,6 +229,7 @@ def main():
     say("| T | distinct experts | floor µs | XLA gather µs (x floor) | Pallas previous µs (x floor) | "
         "Pallas model path µs (x floor) | speed-up vs previous |")
     say("|---|---|---|---|---|---|---|")
+    breakdown = {}
     for t in ts:
         xs = [jax.random.normal(jax.random.key(400 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
         dist = np.mean([len(np.unique(np.asarray(moe_ops.route(x, p["router"], p["bias"], **cfg)[1])))
@@ -216,29 +243,37 @@ def main():
         say(f"| {t} | {dist:.1f} | {floor * 1e6:.1f} | {res[0] * 1e6:.1f} ({res[0] / floor:.2f}x) | "
             f"{res[1] * 1e6:.1f} ({res[1] / floor:.2f}x) | {res[2] * 1e6:.1f} ({res[2] / floor:.2f}x) | "
             f"{res[1] / res[2]:.2f}x |")
+        breakdown[t] = kernel_us(loop_over_layers(lambda x, p: pallas_layer(x, p, cfg, {}), max(1, n_iter // 4)),
+                                 layers, xs)
+    say("\nmodel path, kernel by kernel (profiled medians, µs; one launch each per layer):")
+    for t, us in breakdown.items():
+        say(f"T={t}: " + ", ".join(f"{name} {v:.2f}" for name, v in sorted(us.items(), key=lambda kv: -kv[1])))
 
-    # (5) tile sweep, experts alone (routing from the reference, shared not included)
-    say("\n## fused_experts tile sweep (routed experts only; floor = distinct × 11.80 MB); the table above used the defaults (up tile 32 x 256 at every T, bn_down=64, stages=3)")
-    sweep = [dict(bn_up=16, bk_up=256, bn_down=64), dict(bn_up=32, bk_up=256, bn_down=64),
-             dict(bn_up=64, bk_up=128, bn_down=64)]  # bk_up=512 at 4 stages overflowed shared memory
-    best = {}
-    for t in ts[:2]:
-        xs = [jax.random.normal(jax.random.key(300 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
-        routes = [moe_ops.route(x, p["router"], p["bias"], **cfg) for x, p in zip(xs, layers)]
-        dist = np.mean([len(np.unique(np.asarray(r[1]))) for r in routes])
-        floor = dist * expert_b / bw
-        for tiles in sweep:
-            fn = loop_over_layers(lambda x, pr, tiles=tiles: fused_experts(
-                x, pr[0]["wg"], pr[0]["wu"], pr[0]["wd"], pr[1][0], pr[1][1], LIMIT, **tiles).astype(x.dtype),
-                n_iter)
-            try:
-                sec = median_seconds(fn, list(zip(layers, routes)), xs, reps=reps) / (n_iter * n_layers)
-            except jax.errors.JaxRuntimeError as err:  # e.g. a tile that overflows shared memory
-                say(f"T={t} {tiles}: failed: {str(err).splitlines()[0][:120]}")
-                continue
-            say(f"T={t} {tiles}: {sec * 1e6:.1f} us, {floor / sec * 100:.0f}% of floor {floor * 1e6:.1f} us")
-            if t not in best or sec < best[t][0]:
-                best[t] = (sec, tiles)
+    # (5) tile sweep: kernel times from a profile, at the full width and at a TP2 device's half
+    say("\n## fused_experts tiles: moe_up_swiglu / moe_down_combine kernel µs (profiled medians) in the model-path "
+        "layer; bits: every f32 output row bit-equal to the default tiles' at T = 6 (row invariance across tiles)")
+    say("| I | T | up tiles | up µs | down tiles | down µs | bits |")
+    say("|---|---|---|---|---|---|---|")
+    for i_dim in (i, i // 2):
+        half = layers if i_dim == i else [make_layer(jax.random.key(10 + l), d, i_dim, e) for l in range(n_layers)]
+        x6 = jax.random.normal(jax.random.key(77), (6, d), F32).astype(BF16)
+        f32_out = jax.jit(lambda x, p, tiles: pallas_layer(x, p, cfg, {}, tiles=dict(tiles), dtype=F32),
+                          static_argnums=2)
+        bits = lambda x, tiles: np.asarray(f32_out(x, half[0], tuple(tiles.items()))).view(np.uint32)
+        ref6 = bits(x6, {})
+        for t in ts[:2] + ((4,) if not smoke else ()):
+            xs = [jax.random.normal(jax.random.key(300 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
+            for up, down in zip(UP_TILES, DOWN_TILES):
+                fn = lambda x, p, tiles={**up, **down}: pallas_layer(x, p, cfg, {}, tiles=tiles)
+                try:
+                    same = bool((bits(x6[:t], {**up, **down}) == ref6[:t]).all())
+                    us = kernel_us(loop_over_layers(fn, max(1, n_iter // 4)), half, xs)
+                except jax.errors.JaxRuntimeError as err:  # e.g. a tile that overflows shared memory
+                    say(f"| {i_dim} | {t} | {up} | failed: {str(err).splitlines()[0][:80]} | {down} | | |")
+                    continue
+                say(f"| {i_dim} | {t} | {up} | {us.get('moe_up_swiglu', float('nan')):.2f} | {down} | "
+                    f"{us.get('moe_down_combine', float('nan')):.2f} | {'equal' if same else 'DIFFER'} |")
+                fails += [] if same else [f"tile bits I={i_dim} T={t} {up} {down}"]
 
     glue = loop_over_layers(lambda x, p: x, n_iter)
     say(f"\nloop glue alone (the 1e-30 input update per layer): {median_seconds(glue, layers, xs, reps=reps) / (n_iter * n_layers) * 1e6:.1f} us")
