@@ -257,3 +257,20 @@ def test_kernel_options_reach_the_kernel(monkeypatch):
     assert selects and set(selects) == {"serial"}
     with pytest.raises(ValueError, match="kernel_options names unknown ops"):
         lingjax.Model(base.module, kernels="pallas", kernel_options=(("no_such_op", (("x", 1),)),))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_expert_pipelines_fit_shared_memory(dtype):
+    """The default tiles' pipelines stay inside the shared-memory budget for bf16 and f32 operands (f32 at
+    5 stages asked an H200 for 288 KB of its 227): Triton holds num_stages - 1 K steps of both operands."""
+    import inspect
+
+    from lingjax.pallas.moe_experts import BLOCK_M, SHARED_MEMORY_BUDGET, _stages_within
+
+    tile = {k: v.default for k, v in inspect.signature(fused_experts).parameters.items()}
+    item = jnp.dtype(dtype).itemsize
+    up = (BLOCK_M + 2 * tile["bn_up"]) * tile["bk_up"] * item  # x rows, gate and up tiles
+    down = (BLOCK_M + tile["bn_down"]) * tile["bk_down"] * item  # h rows, down tile
+    for per_stage, want in ((up, tile["stages_up"]), (down, tile["stages_down"])):
+        stages = _stages_within(want, per_stage)
+        assert stages >= 2 and (stages - 1) * per_stage <= SHARED_MEMORY_BUDGET, (dtype, per_stage, stages)

@@ -30,6 +30,17 @@ from lingjax.ops.moe import experts_gathered  # the reference
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
 
 F32 = jnp.float32
+# Shared memory a pipelined K loop may take on an H200 (232448 B per block), less room for the rest of
+# the kernel: Triton keeps num_stages - 1 tiles of each operand in flight.
+SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def _stages_within(want: int, per_stage_bytes: int) -> int:
+    """At most `want` pipeline stages whose buffers fit SHARED_MEMORY_BUDGET (at least 1): the default
+    tiles fit bf16 operands at 5 stages, f32 operands (parity runs) at 3."""
+    return max(1, min(want, 1 + SHARED_MEMORY_BUDGET // per_stage_bytes))
+
+
 def _swiglu(g, u, limit):
     act = g / (1.0 + jnp.exp(-g))  # SiLU in f32
     if limit:
@@ -169,15 +180,20 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     slots = ids.shape[0]
     ns = 0 if shared is None else pl.cdiv(t, block_m)  # shared-expert blocks
 
-    def params(warps, stages):
+    def params(warps, stages, per_stage_bytes):  # per stage: one K step's tiles of both operands
+        stages = _stages_within(stages, per_stage_bytes)
         return None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+
+    x_bytes = x.dtype.itemsize
+    up_stage = block_m * bk_up * x_bytes + 2 * bn_up * bk_up * w_gate.dtype.itemsize  # x rows, gate and up
+    down_stage = block_m * bk_down * x_bytes + bn_down * bk_down * w_down.dtype.itemsize  # h rows (x's dtype), down
 
     h = pl.pallas_call(
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
                           limit=float(limit), shared_limit=float(shared_limit)),
         out_shape=jax.ShapeDtypeStruct((slots + ns * block_m, i_dim), x.dtype),
         grid=(nb + ns, i_dim // bn_up),
-        compiler_params=params(warps_up, stages_up),
+        compiler_params=params(warps_up, stages_up, up_stage),
         interpret=interpret,
         name="moe_up_swiglu",
     )(ids, blk, x, w_gate, w_up, *(() if shared is None else shared[:2]))
@@ -193,7 +209,7 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
         out_shape=jax.ShapeDtypeStruct((out_rows, d), F32),
         grid=(nb + ns, d // bn_down),
         input_output_aliases=aliases,
-        compiler_params=params(warps_down, stages_down),
+        compiler_params=params(warps_down, stages_down, down_stage),
         interpret=interpret,
         name="moe_down_combine",
     )(*down_args)
