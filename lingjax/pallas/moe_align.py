@@ -52,8 +52,10 @@ def align_reference(experts: jax.Array, block_m: int, n_blocks: int | None = Non
     idx = jnp.arange(npairs, dtype=_I32)
     order = jnp.argsort(flat, stable=True).astype(_I32)
     se = flat[order]
-    first = jnp.searchsorted(se, se, side="left").astype(_I32)  # bucket start, per sorted position
-    end = jnp.searchsorted(se, se, side="right").astype(_I32)
+    # scan_unrolled: the default method's binary search is a while loop, which the GPU runs step by step with
+    # the host (H200: 263 µs for this function at NP = 128 against 26 unrolled, 467 against 99 at 16384)
+    first = jnp.searchsorted(se, se, side="left", method="scan_unrolled").astype(_I32)  # bucket start, per sorted pos
+    end = jnp.searchsorted(se, se, side="right", method="scan_unrolled").astype(_I32)
     start = first == idx  # the bucket's first pair
     rank = idx - first
     padded = (end - first + block_m - 1) // block_m * block_m
