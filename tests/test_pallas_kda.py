@@ -17,6 +17,12 @@ from lingjax.pallas.kda_prefill import default_precision, kda_chunked_prefill
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
+# The plain-JAX references under jit: one compile per shape, where eagerly every op compiles on its own
+# (kda_chain took ~3 s at each new shape eagerly, ~1 s jitted; the tests draw a dozen shapes)
+_chain_ref = jax.jit(kda.kda_chain, static_argnames=("tokens", "num_heads", "safe_gate", "lower_bound"))
+_chunked_ref = jax.jit(kda.kda_chunked, static_argnames="chunk")
+_recurrent_ref = jax.jit(kda.kda_recurrent)
+
 
 def _chain_inputs(seed, rows, h, d, dtype, w=4, dm=96, start=None):
     """The chain op's positional arguments on `rows` rows of random projections: the rows past the
@@ -64,7 +70,7 @@ def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, rows=None, **opts):
     args = _chain_inputs(seed, rows, h, d, dtype)
     cfg = dict(tokens=t, num_heads=h, safe_gate=safe, lower_bound=-5.0)
     o, staged, ring = kda_chain_verify(*args, **cfg, block_v=block_v, **opts)
-    o_ref, staged_ref, ring_ref = kda.kda_chain(*args, **cfg)
+    o_ref, staged_ref, ring_ref = _chain_ref(*args, **cfg)
     assert o.shape == o_ref.shape == (rows, h, d) and staged.shape == staged_ref.shape == (t, h, d, d)
     # the ring: the T rows' inputs at their slots, every other slot as it was (a copy: bit for bit)
     assert np.array_equal(np.asarray(ring, np.float32), np.asarray(ring_ref, np.float32))
@@ -90,7 +96,7 @@ def test_chain_decode_in_place(row_loop):
     as the old state, not NaN: every element of it must change, which the reference comparison sees)."""
     args = _chain_inputs(13, 16, 3, 16, jnp.float32)
     cfg = dict(tokens=1, num_heads=3, safe_gate=True, lower_bound=-5.0, block_v=8, row_loop=row_loop)
-    want = kda.kda_chain(*args, tokens=1, num_heads=3, safe_gate=True, lower_bound=-5.0)
+    want = _chain_ref(*args, tokens=1, num_heads=3, safe_gate=True, lower_bound=-5.0)
     apart = kda_chain_verify(*args, **cfg, in_place=False)
     fresh = args[:3] + (args[3] + 0.0,) + args[4:8] + (args[8] + 0.0,)  # donated copies of the ring and state
     donated = jax.jit(lambda *a: kda_chain_verify(*a, **cfg), donate_argnums=(3, 8))(*fresh)
@@ -238,9 +244,9 @@ def test_chunked_prefill_matches_references(t, h, d, kw):
         args = _prefill_inputs(seed, t, h, d)
         o, s = kda_chunked_prefill(*args, **kw)  # interpret mode NaN-fills outputs: rel_err fails on gaps
         assert o.shape == (t, h, d) and s.shape == (h, d, d)
-        o_ref, s_ref = kda.kda_chunked(*args, chunk=kw["chunk"])
+        o_ref, s_ref = _chunked_ref(*args, chunk=kw["chunk"])
         assert rel_err(o, o_ref) <= 1e-5 and rel_err(s, s_ref) <= 1e-5
-        o_rec, s_rec = kda.kda_recurrent(*args)
+        o_rec, s_rec = _recurrent_ref(*args)
         tol = _recurrence_tol(kw["chunk"])
         assert rel_err(o, o_rec) <= tol and rel_err(s, s_rec) <= tol
 
@@ -254,14 +260,14 @@ def test_chunked_prefill_gate_extremes(chunk):
     for g in (-5.0 + 0.05 * u, -0.01 * u):
         args = (q, k, v, g, beta, s0)
         o, s = kda_chunked_prefill(*args, chunk=chunk)
-        o_rec, s_rec = kda.kda_recurrent(*args)
+        o_rec, s_rec = _recurrent_ref(*args)
         assert rel_err(o, o_rec) <= _recurrence_tol(chunk) and rel_err(s, s_rec) <= _recurrence_tol(chunk)
 
 
 def test_chunked_prefill_padding_rows_leave_state():
     args = _prefill_inputs(5, 48, 3, 16, pad=13)
     _, s = kda_chunked_prefill(*args, chunk=16, block_v=16)
-    _, s_ref = kda.kda_recurrent(*(a[:35] for a in args[:5]), args[5])
+    _, s_ref = _recurrent_ref(*(a[:35] for a in args[:5]), args[5])
     assert rel_err(s, s_ref) <= 1e-5
 
 
@@ -276,7 +282,7 @@ def test_chunked_prefill_bf16_inputs(t, h, d, kw):
     q, k, v, g, beta, s0 = _prefill_inputs(6, t, h, d)
     args = (q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), g, beta, s0)
     assert default_precision(*args[:3]) == "bf16" and default_precision(q, k, v) == "tf32x3"
-    o_rec, s_rec = kda.kda_recurrent(*(a.astype(jnp.float32) for a in args))
+    o_rec, s_rec = _recurrent_ref(*(a.astype(jnp.float32) for a in args))
     o, s = kda_chunked_prefill(*args, **kw)
     assert rel_err(o, o_rec) <= TOL[jnp.bfloat16] and rel_err(s, s_rec) <= TOL[jnp.bfloat16]
     o, s = kda_chunked_prefill(*args, precision="tf32x3", **kw)
