@@ -50,12 +50,12 @@ def _real_rows(args, t):
 
 
 # kda_chain_verify options: the first measured version, each option alone, both (these four unrolled at
-# every T), the default (the row loop at every T, parallel_read on), the row loop explicitly
+# every T), the row loop (pinned; today also the default, which test_chain_verify_every_t runs as is: a
+# separate {} entry compiled and checked the same kernel twice)
 CHAIN_OPTS = {"first": dict(hoist_loads=False, parallel_read=False, row_loop=False),
               "hoisted": dict(hoist_loads=True, parallel_read=False, row_loop=False),
               "parallel": dict(hoist_loads=False, parallel_read=True, row_loop=False),
               "hoisted-parallel": dict(row_loop=False),
-              "default": {},
               "row-loop": dict(row_loop=True),
               "row-loop-serial-read": dict(row_loop=True, parallel_read=False),
               "unrolled-norms-first": dict(row_loop=False, deferred_norms=False),
@@ -84,7 +84,7 @@ def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, rows=None, **opts):
 
 
 @pytest.mark.parametrize("t", range(1, 17))
-def test_chain_verify_every_t(t):  # the default path; the other options at T = 1, 2, 6, 11, 16 below
+def test_chain_verify_every_t(t):  # the default path; the other options at T = 1, 2, 6, 16 below
     for seed in range(2):
         _check_chain(t, 3, 16, jnp.float32, seed)
 
@@ -115,9 +115,11 @@ def test_chain_verify_bf16_inputs(t, opts):
 
 
 @pytest.mark.parametrize("opts", list(CHAIN_OPTS))
-@pytest.mark.parametrize("t,h", [(1, 5), (6, 3), (11, 1)])
+@pytest.mark.parametrize("t,h", [(1, 5), (6, 3)])
 def test_chain_verify_options(t, h, opts):
-    """Each option alone and combined, odd head counts, both gate forms."""
+    """Each option alone and combined, odd head counts, both gate forms, at T = 1 and a middle T (T = 2 and
+    16 in bf16 above; one head in the tests below). (T = 11 on one head was a second middle T: the same code
+    as T = 6 with more rows, and the unrolled kernels' costliest compiles in this module.)"""
     _check_chain(t, h, 32, jnp.float32, 3, **CHAIN_OPTS[opts])
     _check_chain(t, h, 32, jnp.float32, 4, safe=False, **CHAIN_OPTS[opts])
 
@@ -159,7 +161,7 @@ def _unoptimised(fn, **kw):
     return jax.jit(functools.partial(fn, **kw), compiler_options={"xla_backend_optimization_level": 0})
 
 
-@pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "default"])
+@pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_chain_verify_padded_rows(dtype, opts):
     """T real rows of 16, as a decode/verify forward passes them, the padding rows random garbage:
