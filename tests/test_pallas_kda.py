@@ -64,13 +64,19 @@ CHAIN_OPTS = {"first": dict(hoist_loads=False, parallel_read=False, row_loop=Fal
               "row-loop-serial-norms-first": dict(row_loop=True, parallel_read=False, deferred_norms=False)}
 
 
+def _verify(args, t, h, safe=True, block_v=8, **opts):
+    """kda_chain_verify on _chain_inputs' arguments with its keywords in one order: jit caches a compile
+    by the keywords as passed, so the tests' calls of one configuration (in different tests too) share
+    one compile."""
+    return kda_chain_verify(*args, tokens=t, num_heads=h, safe_gate=safe, lower_bound=-5.0, block_v=block_v, **opts)
+
+
 def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, rows=None, **opts):
     """T = t tokens of `rows` (default t) rows against the reference; rows past t must come out zero."""
     rows = rows or t
     args = _chain_inputs(seed, rows, h, d, dtype)
-    cfg = dict(tokens=t, num_heads=h, safe_gate=safe, lower_bound=-5.0)
-    o, staged, ring = kda_chain_verify(*args, **cfg, block_v=block_v, **opts)
-    o_ref, staged_ref, ring_ref = _chain_ref(*args, **cfg)
+    o, staged, ring = _verify(args, t, h, safe, block_v, **opts)
+    o_ref, staged_ref, ring_ref = _chain_ref(*args, tokens=t, num_heads=h, safe_gate=safe, lower_bound=-5.0)
     assert o.shape == o_ref.shape == (rows, h, d) and staged.shape == staged_ref.shape == (t, h, d, d)
     # the ring: the T rows' inputs at their slots, every other slot as it was (a copy: bit for bit)
     assert np.array_equal(np.asarray(ring, np.float32), np.asarray(ring_ref, np.float32))
@@ -111,7 +117,7 @@ def test_chain_decode_in_place(row_loop):
 @pytest.mark.parametrize("t", [2, 16])
 def test_chain_verify_bf16_inputs(t, opts):
     for seed in range(2):
-        _check_chain(t, 3, 16, jnp.bfloat16, seed, **CHAIN_OPTS[opts])
+        _check_chain(t, 3, 32, jnp.bfloat16, seed, **CHAIN_OPTS[opts])
 
 
 @pytest.mark.parametrize("opts", list(CHAIN_OPTS))
@@ -130,8 +136,7 @@ def test_chain_verify_tiles_and_gate_forms(opts):
     the last bits); the non-safe gate is fused too."""
     opts = CHAIN_OPTS[opts]
     args, _, staged = _check_chain(3, 1, 32, jnp.float32, 7, block_v=4, **opts)
-    _, staged_wide, _ = kda_chain_verify(*args, tokens=3, num_heads=1, safe_gate=True, lower_bound=-5.0,
-                                         block_v=32, **opts)
+    _, staged_wide, _ = _verify(args, 3, 1, block_v=32, **opts)
     assert rel_err(staged, staged_wide) <= 1e-6
     _check_chain(3, 1, 32, jnp.float32, 8, safe=False, block_v=4, **opts)
 
@@ -139,11 +144,12 @@ def test_chain_verify_tiles_and_gate_forms(opts):
 @pytest.mark.parametrize("tiles", [2, 4])  # 4 x BV 8 = V: one program per head
 @pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop"])
 def test_chain_verify_tiles_per_program(tiles, opts):
-    """Several V tiles per program (prologue once per program) give the one-tile results."""
-    for t, h, dtype, rows in ((1, 3, jnp.float32, None), (7, 5, jnp.float32, 16), (16, 3, jnp.bfloat16, None)):
+    """Several V tiles per program (prologue once per program) give the one-tile results. The one-tile
+    kernels at T = 1 and 16 are those of test_chain_verify_options and _bf16_inputs (their shapes: one
+    compile each in a process)."""
+    for t, h, dtype, rows in ((1, 5, jnp.float32, None), (7, 5, jnp.float32, 16), (16, 3, jnp.bfloat16, None)):
         args, o, staged = _check_chain(t, h, 32, dtype, 9, rows=rows, tiles_per_program=tiles, **CHAIN_OPTS[opts])
-        o1, staged1, _ = kda_chain_verify(*args, tokens=t, num_heads=h, safe_gate=True, lower_bound=-5.0,
-                                          block_v=8, **CHAIN_OPTS[opts])
+        o1, staged1, _ = _verify(args, t, h, **CHAIN_OPTS[opts])
         assert rel_err(o, o1) <= 1e-6 and rel_err(staged, staged1) <= 1e-6
 
 
