@@ -2,7 +2,7 @@
 chain-verify at every T in 1..16 (and on padded rows), commit, chunked prefill, and the model with
 kernels="pallas" for the KDA ops."""
 
-import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -64,18 +64,32 @@ CHAIN_OPTS = {"first": dict(hoist_loads=False, parallel_read=False, row_loop=Fal
               "row-loop-serial-norms-first": dict(row_loop=True, parallel_read=False, deferred_norms=False)}
 
 
-def _verify(args, t, h, safe=True, block_v=8, **opts):
-    """kda_chain_verify on _chain_inputs' arguments with its keywords in one order: jit caches a compile
-    by the keywords as passed, so the tests' calls of one configuration (in different tests too) share
-    one compile."""
-    return kda_chain_verify(*args, tokens=t, num_heads=h, safe_gate=safe, lower_bound=-5.0, block_v=block_v, **opts)
+def _unoptimised(fn):
+    """fn compiled with LLVM's optimisations off. At -O2 XLA's CPU backend contracts a multiply and an add
+    into one rounding, or not, by the fusion around them, and the kernel's stores (its conv ring rows) move
+    those fusions: o then differed by 1 ulp between T = 1 and T = 7 in interpret mode. At -O0 each op rounds
+    as written, so the bit-for-bit checks below see the kernel's own arithmetic; the H200's compile is
+    checked bit for bit by bench/kda_bench.py and the model-level bench/lossless_check.py."""
+    static = [n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    return jax.jit(fn, static_argnames=static, compiler_options={"xla_backend_optimization_level": 0})
 
 
-def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, rows=None, **opts):
-    """T = t tokens of `rows` (default t) rows against the reference; rows past t must come out zero."""
+_verify_unoptimised = _unoptimised(kda_chain_verify)
+
+
+def _verify(args, t, h, safe=True, block_v=8, fn=kda_chain_verify, **opts):
+    """fn (kda_chain_verify, or _verify_unoptimised) on _chain_inputs' arguments with its keywords in one
+    order: jit caches a compile by the keywords as passed, so the tests' calls of one configuration (in
+    different tests too) share one compile."""
+    return fn(*args, tokens=t, num_heads=h, safe_gate=safe, lower_bound=-5.0, block_v=block_v, **opts)
+
+
+def _check_chain(t, h, d, dtype, seed, safe=True, block_v=8, rows=None, fn=kda_chain_verify, **opts):
+    """T = t tokens of `rows` (default t) rows against the reference; rows past t must come out zero.
+    fn: as _verify's."""
     rows = rows or t
     args = _chain_inputs(seed, rows, h, d, dtype)
-    o, staged, ring = _verify(args, t, h, safe, block_v, **opts)
+    o, staged, ring = _verify(args, t, h, safe, block_v, fn, **opts)
     o_ref, staged_ref, ring_ref = _chain_ref(*args, tokens=t, num_heads=h, safe_gate=safe, lower_bound=-5.0)
     assert o.shape == o_ref.shape == (rows, h, d) and staged.shape == staged_ref.shape == (t, h, d, d)
     # the ring: the T rows' inputs at their slots, every other slot as it was (a copy: bit for bit)
@@ -158,29 +172,19 @@ def test_chain_verify_head_dim_128(opts):
     _check_chain(4, 1, 128, jnp.float32, 0, block_v=64, **CHAIN_OPTS[opts])
 
 
-def _unoptimised(fn, **kw):
-    """fn(*args, **kw) compiled with LLVM's optimisations off. At -O2 XLA's CPU backend contracts a multiply
-    and an add into one rounding, or not, by the fusion around them, and the kernel's stores (its conv ring
-    rows) move those fusions: o then differed by 1 ulp between T = 1 and T = 7 in interpret mode. At -O0 each
-    op rounds as written, so the bit-for-bit checks below see the kernel's own arithmetic; the H200's
-    compile is checked bit for bit by bench/kda_bench.py and the model-level bench/lossless_check.py."""
-    return jax.jit(functools.partial(fn, **kw), compiler_options={"xla_backend_optimization_level": 0})
-
-
 @pytest.mark.parametrize("opts", ["first", "hoisted-parallel", "row-loop"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_chain_verify_padded_rows(dtype, opts):
     """T real rows of 16, as a decode/verify forward passes them, the padding rows random garbage:
-    the reference's results, zero output rows past T (_check_chain), and row invariance bit for bit
-    (in an unoptimised compile, see _unoptimised): the same as the call on the real rows alone, and row j
-    the same whatever T."""
+    the reference's results, zero output rows past T (_check_chain), and row invariance bit for bit: the
+    same as the call on the real rows alone, and row j the same whatever T. All in an unoptimised compile
+    (see _unoptimised), the reference check too: an -O2 compile of the same call checked it a second
+    time (padded rows at -O2: test_chain_verify_tiles_per_program's one-tile calls at T = 7)."""
     h, d, rows = 3, 16, 16
-    cfg = dict(num_heads=h, safe_gate=True, lower_bound=-5.0, block_v=8, **CHAIN_OPTS[opts])
     out = {}
     for t in (1, 4, 7):  # seed 12 throughout: the same 16 input rows, the first T real
-        args, _, _ = _check_chain(t, h, d, dtype, 12, rows=rows, **CHAIN_OPTS[opts])
-        o, staged, _ = _unoptimised(kda_chain_verify, tokens=t, **cfg)(*args)
-        o_real, staged_real, _ = _unoptimised(kda_chain_verify, tokens=t, **cfg)(*_real_rows(args, t))
+        args, o, staged = _check_chain(t, h, d, dtype, 12, rows=rows, fn=_verify_unoptimised, **CHAIN_OPTS[opts])
+        o_real, staged_real, _ = _verify(_real_rows(args, t), t, h, fn=_verify_unoptimised, **CHAIN_OPTS[opts])
         assert np.array_equal(np.asarray(o[:t]), np.asarray(o_real))
         assert np.array_equal(np.asarray(staged), np.asarray(staged_real))
         out[t] = np.asarray(o), np.asarray(staged)
