@@ -19,8 +19,20 @@ FIXTURES = Path(__file__).parent / "fixtures"
 SALT = int(os.environ.get("LINGJAX_TEST_SALT", np.random.SeedSequence().entropy % 2**31))
 
 
-def pytest_report_header(config):
-    return f"lingjax test salt: {SALT} (replay with LINGJAX_TEST_SALT={SALT})"
+def _report_salt(config):
+    """The salt, at the start and after the failures: pytest's report header is hidden under the -q
+    of addopts."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"lingjax test salt: {SALT} (replay with LINGJAX_TEST_SALT={SALT})")
+
+
+def pytest_sessionstart(session):
+    _report_salt(session.config)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    _report_salt(config)
 
 
 def key_for(*parts) -> jax.Array:
