@@ -2,11 +2,16 @@
 per-session salt), never zeros; comparisons are relative to the reference's scale."""
 
 import os
+import shutil
+import tempfile
 import zlib
 from pathlib import Path
 
-# Four fake CPU devices for the tensor-parallel tests (must be set before jax initialises).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+# Four fake CPU devices for the tensor-parallel tests (must be set before jax initialises; xdist workers
+# inherit it from the controller).
+_DEVICES_FLAG = "--xla_force_host_platform_device_count=4"
+if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -15,12 +20,49 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 FIXTURES = Path(__file__).parent / "fixtures"
-# A fresh salt per session (printed, so a failure can be replayed with LINGJAX_TEST_SALT).
-SALT = int(os.environ.get("LINGJAX_TEST_SALT", np.random.SeedSequence().entropy % 2**31))
+# A fresh salt per session (printed, so a failure can be replayed with LINGJAX_TEST_SALT). Kept in the
+# environment: pytest-xdist starts its workers after the controller has imported this file, so they
+# inherit the controller's salt.
+SALT = int(os.environ.setdefault("LINGJAX_TEST_SALT", str(np.random.SeedSequence().entropy % 2**31)))
 
 
-def pytest_report_header(config):
-    return f"lingjax test salt: {SALT} (replay with LINGJAX_TEST_SALT={SALT})"
+def _compilation_cache() -> tuple[str, bool]:
+    """(the session's compilation cache directory, whether this process made it). The tests build many
+    programs whose XLA computations are identical (a Model or a ReplayDrafter per test, each with its
+    own jitted programs; every module's programs again after _release_compiled_programs): with the
+    cache each compiles once. Fresh for each session and removed at its end, so nothing carries over
+    between runs; the controller makes it and each xdist worker takes its own subdirectory (jax's cache
+    writes entries unlocked, so two processes must not share one)."""
+    made = "LINGJAX_TEST_COMPILE_CACHE" not in os.environ
+    if made:
+        os.environ["LINGJAX_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="lingjax-test-compile-cache-")
+    root = os.environ["LINGJAX_TEST_COMPILE_CACHE"]
+    return os.path.join(root, os.environ.get("PYTEST_XDIST_WORKER", "main")), made
+
+
+_CACHE_DIR, _MADE_CACHE = _compilation_cache()
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+
+
+def pytest_unconfigure(config):
+    if _MADE_CACHE:
+        shutil.rmtree(os.environ["LINGJAX_TEST_COMPILE_CACHE"], ignore_errors=True)
+
+
+def _report_salt(config):
+    """The salt, at the start and after the failures: pytest's report header is hidden under the -q
+    of addopts. Only the controller writes (an xdist worker's output is not shown)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(config, "workerinput"):
+        reporter.write_line(f"lingjax test salt: {SALT} (replay with LINGJAX_TEST_SALT={SALT})")
+
+
+def pytest_sessionstart(session):
+    _report_salt(session.config)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    _report_salt(config)
 
 
 def key_for(*parts) -> jax.Array:

@@ -47,9 +47,10 @@ def test_logits_and_greedy_match_tp1(tp):
     assert spec.tokens == want
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_sampling_matches_tp1(tp):
-    """Sampling gathers the vocabulary and draws with the same key on every shard: same tokens as TP1."""
+def test_sampling_matches_tp1():
+    """Sampling gathers the vocabulary and draws with the same key on every shard: same tokens as TP1, at
+    TP2 (TP4's sharded forward: test_logits_and_greedy_match_tp1)."""
+    tp = 2
     prompt = _prompt(9, 11)
     kwargs = dict(temperature=1.1, top_k=50, seed=4, ignore_eos=True)
     want = lingjax.generate(_tiny(1), prompt, 12, **kwargs).tokens

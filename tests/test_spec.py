@@ -28,7 +28,7 @@ def _prompt(n, seed):
 
 
 # ---- lossless greedy ------------------------------------------------------------------------------
-@pytest.mark.parametrize("steps", [1, 3, 5, 7])
+@pytest.mark.parametrize("steps", [1, 3, 7])  # S = 5: the bf16 and HF-fixture tests below
 def test_nextn_greedy_equals_plain_greedy_256_tokens(steps):
     model = _tiny()
     for seed, length in [(0, 9), (1, 40)]:
@@ -50,10 +50,11 @@ def _tiny_bf16():
     return lingjax.load("tiny", dtype="bfloat16", seed=3)
 
 
-@pytest.mark.parametrize("steps", [1, 3, 5])
+@pytest.mark.parametrize("steps", [3, 5])
 def test_bf16_greedy_spec_equals_plain_128_tokens(steps):
     """In bf16 a verify row rounds exactly as the T=1 decode of that token (row invariance, see
-    lingjax/model.py): one M=1 GEMM against an M=4 one already changes the tokens."""
+    lingjax/model.py): one M=1 GEMM against an M=4 one already changes the tokens. (S = 1, a verify of
+    T = 2: in f32 above; every row-wise op runs on the same 16 rows at any T.)"""
     model = _tiny_bf16()
     for seed, length in [(0, 11), (1, 40)]:
         prompt = _prompt(length, seed)
