@@ -174,16 +174,17 @@ def main():
     # (2) bandwidth: a floor must not be beatable, so it takes the fastest of a read probe (measured twice,
     # bench/measure.py) and two copies (read + write); the layer mostly reads weights
     rates = {}
+    copy = jax.jit(lambda a: a * 1.5)
     for dt in (BF16, F32):
         big = jnp.ones(((2**20 if smoke else 2**32) // jnp.dtype(dt).itemsize,), dt)
-        copy = jax.jit(lambda a: a * 1.5)
         rates[f"{jnp.dtype(dt).name} copy"] = 2 * big.nbytes / median_seconds(copy, big, reps=reps * 2)
         del big
     for n in (1, 2):
         rates[f"bf16 read {n}"] = read_bandwidth(1 << 19) if smoke else read_bandwidth()
     bw = max(rates.values())
     say(f"\nbandwidth ({'tiny' if smoke else '4 GiB'} arrays; copy: x*1.5, read: an f32 sum of bf16): " +
-        ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in rates.items()) + f"; floors use the largest, {bw / 1e12:.2f} TB/s")
+        ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in rates.items())
+        + f"; floors use the largest, {bw / 1e12:.2f} TB/s")
     layers = [make_layer(jax.random.key(10 + l), d, i, e) for l in range(n_layers)]
     expert_b, router_b = 3 * i * d * 2, e * d * 2
 

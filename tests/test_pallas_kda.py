@@ -129,7 +129,8 @@ def test_chain_decode_in_place(row_loop):
 
 # T = 16 unrolled is the costliest interpret-mode compile of this module: every row-loop option and the
 # first unrolled kernel run there, the other unrolled kernels at T = 2 (and at T = 1, 6 in f32 below)
-_BF16_CASES = [(2, o) for o in CHAIN_OPTS] + [(16, o) for o in CHAIN_OPTS if o == "first" or "row-loop" in o]
+_BF16_CASES = ([(2, o) for o in CHAIN_OPTS]
+               + [(16, o) for o, kw in CHAIN_OPTS.items() if o == "first" or kw.get("row_loop")])
 
 
 @pytest.mark.parametrize("t,opts", _BF16_CASES)
