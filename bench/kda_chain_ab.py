@@ -1,7 +1,7 @@
 """KDA chain-verify kernels A/B in one process: this tree's variants against other trees' kernels.
 
   python bench/kda_chain_ab.py [--tree old=/path/to/other/checkout ...] [--ts 1,4,6,16] [--rounds 3]
-                               [--block-v 16,32] [--warps 4] [--norms-first] [--fla-json fla.jsonl]
+                               [--block-v 16,32] [--warps 4] [--norms-first] [--profile] [--fla-json fla.jsonl]
                                [--out ab.json]
 
 Why: the same kernel's time moved ~15% between processes on the H200 (T = 6: 11.7-14.1 µs), more than the
@@ -14,7 +14,9 @@ variant is checked against lingjax.ops.kda.kda_chain (max rel. error, printed), 
 alike are compared bit for bit: this tree's row loop against its unrolled kernel at each BV and warp
 count, and each other tree's default against this tree's unrolled kernel at BV16 w4 (when timed). Prints
 a table last: µs per call, with fla's fused_recurrent_kda in both its forms where --fla-json
-(kda_bench.py --fla-child with KDA_BENCH_TS set to the same widths) is given.
+(kda_bench.py --fla-child with KDA_BENCH_TS set to the same widths) is given. With --profile, a second table
+splits each in-graph figure: the chain kernel's own duration in the loop, and the other kernels XLA runs
+per call (the kernel time is what compares with fla's graph-captured figures, whose graphs hold nothing else).
 """
 
 from __future__ import annotations
@@ -74,6 +76,33 @@ def variants_here(block_vs, warps, norms_first=False):
     return out
 
 
+def profile_loops(harness, runs, xs_t) -> dict:
+    """(label, t) -> the kernels of one timed loop (one iteration, R calls) from a profile: the chain kernel's
+    median duration, and how many other kernels (and how many µs of them) the loop ran per call, e.g. copies
+    XLA adds around the call. The in-graph µs per call is kernel time plus these plus the launch gaps."""
+    import tempfile
+
+    import jax
+
+    from lingjax import profiling
+
+    out = {}
+    for key, fn in runs.items():
+        run = harness.loop(fn, 1)
+        xs = xs_t[key[1]]
+        jax.block_until_ready(run(xs))
+        with tempfile.TemporaryDirectory() as tmp:
+            with profiling.capture(tmp) as trace:
+                jax.block_until_ready(run(xs))
+            kernels = [k for k in profiling.load_kernels(trace.path) if k.device == 0]
+        chain = [k.dur_us for k in kernels if "kda_chain_verify" in k.name]
+        others = [k.dur_us for k in kernels if "kda_chain_verify" not in k.name]
+        out[key] = dict(chain_us=statistics.median(chain) if chain else float("nan"), chain_n=len(chain),
+                        others_per_call=len(others) / R, others_us=sum(others) / R,
+                        other_names=sorted({k.name for k in kernels if "kda_chain_verify" not in k.name})[:8])
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", action="append", default=[], help="label=path of another checkout (repeatable)")
@@ -83,6 +112,9 @@ def main():
     ap.add_argument("--warps", default="4", help="num_warps of those variants")
     ap.add_argument("--norms-first", action="store_true",
                     help="also every variant with deferred_norms=False (the norms before the state's sums)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also each variant's kernels inside the timed loop, from a profile: the chain kernel's "
+                         "median duration and the other kernels the loop runs per call")
     ap.add_argument("--fla-json", default=None)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kda_chain_ab.json"))
     a = ap.parse_args()
@@ -146,6 +178,8 @@ def main():
         print(f"round {rnd + 1}/{a.rounds} done", flush=True)
     for (label, t), us in per_round.items():
         res["us"][f"{label} T={t}"] = us
+    profiled = profile_loops(harness, runs, xs_t) if a.profile else {}
+    res["profiled"] = {f"{label} T={t}": v for (label, t), v in profiled.items()}
 
     fla = kda_bench.load_fla(a.fla_json) if a.fla_json else {}
     if "error" in fla:
@@ -164,6 +198,14 @@ def main():
                        ("fused_recurrent_in_kernel", "fla, l2norm + gate + beta sigmoid in its kernel")):
         if fla:
             cells = [f"{fla[f'{key}_T{t}']:.2f}" if isinstance(fla.get(f"{key}_T{t}"), float) else "—" for t in ts]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if profiled:
+        lines += ["", "Profiled inside the same loop (CUPTI, command buffers off while profiling): the chain kernel's "
+                  "median duration, and the other kernels the loop ran per call (count, µs)", "",
+                  head, "|---" * (len(ts) + 1) + "|"]
+        for label in labels:
+            cells = [(lambda p: f"{p['chain_us']:.2f} (+{p['others_per_call']:.1f} others, {p['others_us']:.2f})"
+                      if p else "—")(profiled.get((label, t))) for t in ts]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     print("\n".join(lines), flush=True)
     res["table"] = "\n".join(lines)

@@ -65,7 +65,10 @@ Defaults (bench/results/kda_h200x2_2026-11-30_run2.md: every variant in one proc
 bench/kda_chain_ab.py): BV32 (128 programs at H = 32, one per SM) with 4 warps, T = 1 / 4 / 6 / 16 in
 6.1 / 9.9 / 12.4 / 28.3 µs against BV16's best kernel's 6.8 / 10.4 / 12.6 / 28.9; 2 or 8 warps are slower.
 Taking a row's independent sums in one reduction (Triton's join; 5 reductions a row to 2) measured no
-faster and was removed.
+faster and was removed. Where the time goes at T = 1 (ncu's warp-state samples, bench/ncu_kernels.py;
+bench/results/kda_h200_2026-12-01.md): each program runs ~900 instructions a warp in ~3 µs, most of the
+stall samples waiting on global loads (the state's, issued after the prologue, and the window's, behind
+`start`'s); the kernel's 4.7 µs also hold ~2 µs of launch and drain that fla's kernel shows as well.
 
 Reference: lingjax.ops.kda.kda_chain (math in ling3_architecture.md §3).
 """
@@ -83,6 +86,16 @@ from lingjax.pallas import pow2_tile, resolve_interpret
 
 F32 = jnp.float32
 MAX_T = 16
+
+
+def _state_tiles(s_ref, h, col0, block_v):
+    """The program's committed state tiles [K, BV], as volatile loads: on the H200 the T = 1 kernel took
+    4.70 µs with them against 4.96-5.02 with plain loads (ncu, 29 launches each, two calls), and ~0.2 µs less
+    in a timed loop too; T = 4, 6, 16 unchanged, results bit-identical (bench/results/kda_h200_2026-12-01.md).
+    Why is not settled: the sm_90 code issues the state's loads at the same place, after the prologue, as
+    strong loads."""
+    zero = jnp.int32(0)  # an array index: interpret mode does not take a Python int in a volatile load
+    return [pltriton.load(s_ref.at[zero, h, :, pl.ds(c, block_v)], volatile=True) for c in col0]
 
 
 def _head_and_tiles(tiles, block_v):
@@ -226,7 +239,7 @@ def _chain_kernel(proj_ref, x_ref, wb_ref, ring_ref, start_ref, convw_ref, alog_
         return functools.cache(fn)
 
     # ---- reads (issued here, in this order, when hoisting)
-    s_in = [early(lambda c=c: s_ref[0, h, :, pl.ds(c, block_v)]) for c in col0]  # tiles x [K, BV]
+    s_tiles = early(lambda: _state_tiles(s_ref, h, col0, block_v))  # tiles x [K, BV]
 
     def channels(c0, n):  # conv weights W x [n] f32 and the W-1+T pre-conv input rows [n] of channels [c0, c0+n)
         return (early(lambda: [convw_ref[pl.ds(c0, n), i] for i in range(width)]),
@@ -264,7 +277,7 @@ def _chain_kernel(proj_ref, x_ref, wb_ref, ring_ref, start_ref, convw_ref, alog_
                                _qk(qs[t], ks[t], norms[t]) if parallel_read else None)) for t in range(tokens)]
 
     # ---- the chain: T rows, the tiles' independent chains interleaved
-    s = [x() for x in s_in]
+    s = s_tiles()
     for t in range(tokens):
         decay, beta, qk = rows[t]()
         s = _chain_row(s, [v[t] for v in vs], decay, ks[t], qs[t], beta, qk, st_ref=st_ref, o_ref=o_ref, t=t,
@@ -281,6 +294,7 @@ def _chain_loop_kernel(proj_ref, x_ref, wb_ref, ring_ref, start_ref, convw_ref, 
     # The same contract as _chain_kernel, the rows in a fori_loop: one compiled row body whatever T, the
     # conv window carried, and the next row's global reads issued before this row's reductions.
     h, col0 = _head_and_tiles(tiles, block_v)
+    s0 = _state_tiles(s_ref, h, col0, block_v)  # tiles x [K, BV]
     p, width = num_heads * dim, convw_ref.shape[1]
     start, slots, lead = start_ref[0], ring_ref.shape[0], pl.program_id(1) == 0
     chans = _channels(h, col0, num_heads, dim, block_v)  # q, k, v tiles
@@ -291,7 +305,6 @@ def _chain_loop_kernel(proj_ref, x_ref, wb_ref, ring_ref, start_ref, convw_ref, 
         return ([proj_ref[t, pl.ds(c0, n)] for c0, n in chans], proj_ref[t, pl.ds(3 * p + h * dim, dim)],
                 [x_ref[t, c] for c in x_cols])
 
-    s0 = [s_ref[0, h, :, pl.ds(c, block_v)] for c in col0]  # tiles x [K, BV]
     win0 = [[ring_ref[r, pl.ds(c0, n)].astype(F32) for r in _window_slots(start, width, slots)] for c0, n in chans]
     first = reads(0)
     wb = [wb_ref[h, c] for c in x_cols]
