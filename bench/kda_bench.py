@@ -18,6 +18,11 @@ chain at those T instead of 1, 6, 16. Before the chain timings, the unrolled cha
 (kda_chain_verify's row_loop) are checked bit for bit against each other at every T: the default takes the
 loop at every T, and a verify must round each row as plain decode (T = 1) does, whichever kernel it takes.
 (A GPU check: in interpret mode on the CPU the two differ in the last bits.)
+
+The chain rows are µs per call in XLA's loop, fla's per call in a PyTorch CUDA graph. fla's figure is its
+kernel's duration; ours also carries XLA's gap between launches, 3.3-4.9 µs a call on the H200
+(bench/results/kda_h200_2026-12-01.md). Kernel against kernel: bench/ncu_kernels.py, or kda_chain_ab.py
+--profile for our kernel's time inside this loop.
 """
 
 from __future__ import annotations
@@ -181,11 +186,12 @@ def chain_harness():
         return (xs[0][r], xs[1][r], xs[2][r], xs[3][r] if ring is None else ring, START, conv_w,
                 a_log if al is None else al, dt_bias, xs[4][r])
 
-    def loop(fn, iters):
+    def loop(fn, iters, compiler_options=None):
         """In-graph: per iteration, fn on each of the R rotating input sets (distinct buffers). The conv
         rings are carried (fn's third result), as the model's decode carries them: the kernel writes its
-        ring in place, and a loop-invariant one XLA would copy before every call."""
-        @jax.jit
+        ring in place, and a loop-invariant one XLA would copy before every call. compiler_options: the
+        jit's (e.g. the model's command buffers, lingjax.runtime.step_jit)."""
+        @functools.partial(jax.jit, compiler_options=compiler_options)
         def run(xs):
             def body(i, carry):
                 al = a_log + i.astype(f32) * 0.0  # keeps the calls inside the loop

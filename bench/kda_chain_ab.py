@@ -1,8 +1,8 @@
 """KDA chain-verify kernels A/B in one process: this tree's variants against other trees' kernels.
 
   python bench/kda_chain_ab.py [--tree old=/path/to/other/checkout ...] [--ts 1,4,6,16] [--rounds 3]
-                               [--block-v 16,32] [--warps 4] [--norms-first] [--profile] [--fla-json fla.jsonl]
-                               [--out ab.json]
+                               [--block-v 16,32] [--warps 4] [--norms-first] [--graphs] [--profile]
+                               [--fla-json fla.jsonl] [--out ab.json]
 
 Why: the same kernel's time moved ~15% between processes on the H200 (T = 6: 11.7-14.1 µs), more than the
 differences being decided. Here every variant is compiled in one process and timed in `rounds`
@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kda_bench  # noqa: E402  (bench/, beside this script: its kernel import and chain harness)
 
 R = kda_bench.R
+PROFILE_ITERS = 2  # loop iterations under the profiler: a copy made once per loop shows as 1/2 a call
 
 
 def load_tree_kernel(label: str, root: str):
@@ -77,9 +78,10 @@ def variants_here(block_vs, warps, norms_first=False):
 
 
 def profile_loops(harness, runs, xs_t) -> dict:
-    """(label, t) -> the kernels of one timed loop (one iteration, R calls) from a profile: the chain kernel's
-    median duration, and how many other kernels (and how many µs of them) the loop ran per call, e.g. copies
-    XLA adds around the call. The in-graph µs per call is kernel time plus these plus the launch gaps."""
+    """(label, t) -> the kernels of a timed loop (ITERS iterations of R calls) from a profile: the chain
+    kernel's median duration, and how many other kernels (and how many µs of them) the loop ran per call,
+    e.g. copies XLA adds around the call. The in-graph µs per call is kernel time plus these plus the launch
+    gaps."""
     import tempfile
 
     import jax
@@ -88,7 +90,7 @@ def profile_loops(harness, runs, xs_t) -> dict:
 
     out = {}
     for key, fn in runs.items():
-        run = harness.loop(fn, 1)
+        run = harness.loop(fn, PROFILE_ITERS)
         xs = xs_t[key[1]]
         jax.block_until_ready(run(xs))
         with tempfile.TemporaryDirectory() as tmp:
@@ -97,8 +99,9 @@ def profile_loops(harness, runs, xs_t) -> dict:
             kernels = [k for k in profiling.load_kernels(trace.path) if k.device == 0]
         chain = [k.dur_us for k in kernels if "kda_chain_verify" in k.name]
         others = [k.dur_us for k in kernels if "kda_chain_verify" not in k.name]
+        calls = PROFILE_ITERS * R
         out[key] = dict(chain_us=statistics.median(chain) if chain else float("nan"), chain_n=len(chain),
-                        others_per_call=len(others) / R, others_us=sum(others) / R,
+                        others_per_call=len(others) / calls, others_us=sum(others) / calls,
                         other_names=sorted({k.name for k in kernels if "kda_chain_verify" not in k.name})[:8])
     return out
 
@@ -112,6 +115,9 @@ def main():
     ap.add_argument("--warps", default="4", help="num_warps of those variants")
     ap.add_argument("--norms-first", action="store_true",
                     help="also every variant with deferred_norms=False (the norms before the state's sums)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time every variant with its loop compiled as lingjax.runtime.step_jit compiles the "
+                         "model's steps (command buffers for the loop too): the launch gaps a step sees")
     ap.add_argument("--profile", action="store_true",
                     help="also each variant's kernels inside the timed loop, from a profile: the chain kernel's "
                          "median duration and the other kernels the loop runs per call")
@@ -134,8 +140,8 @@ def main():
     harness = kda_bench.chain_harness()  # kda_bench's weights, rotating inputs and in-graph loop
     cfg, args_of = harness.cfg, harness.args
 
-    def timed_loop(fn, iters=8):  # -> timer(xs): µs per call, median of 15 runs of iters x R calls
-        run = harness.loop(fn, iters)
+    def timed_loop(fn, iters=8, compiler_options=None):  # -> timer(xs): µs per call, median of 15 runs of iters x R
+        run = harness.loop(fn, iters, compiler_options)
         return lambda xs: median_seconds(run, xs, reps=15) * 1e6 / (iters * R)
 
     runs = {}  # (label, t) -> the call on one input set
@@ -171,7 +177,13 @@ def main():
                 print(f"bitwise {x} | {y} T={t}: {'identical' if same else 'DIFFER'}", flush=True)
 
     timers = {key: timed_loop(fn) for key, fn in runs.items()}
-    per_round = {key: [] for key in runs}
+    if a.graphs:  # each variant again, its loop compiled as the model's step programs are
+        from lingjax.runtime import COMMAND_BUFFERS
+
+        opts = {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS, "xla_gpu_graph_min_graph_size": 1}
+        for (label, t), fn in runs.items():
+            timers[f"{label} (step graphs)", t] = timed_loop(fn, compiler_options=opts)
+    per_round = {key: [] for key in timers}
     for rnd in range(a.rounds):
         for key, timer in timers.items():
             per_round[key].append(timer(xs_t[key[1]]))
@@ -184,7 +196,7 @@ def main():
     fla = kda_bench.load_fla(a.fla_json) if a.fla_json else {}
     if "error" in fla:
         print(f"fla: {fla['error']}", flush=True)
-    labels = list(dict.fromkeys(label for label, _ in runs))
+    labels = list(dict.fromkeys(label for label, _ in timers))
     head = "| variant | " + " | ".join(f"T={t} µs" for t in ts) + " |"
     lines = [f"{res['device']}, jax {res['jax']}: median over {a.rounds} interleaved rounds (spread min-max)", "",
              head, "|---" * (len(ts) + 1) + "|"]
