@@ -107,11 +107,11 @@ def run_moe(ts, launches: int, group):
             jax.block_until_ready(fn(x, layer))
 
 
-def summarize(path: str, groups_path: str, skip: int):
-    """Median gpu__time_duration (ns -> µs) per configuration and kernel name, from one `ncu --csv
-    --print-units base --metrics gpu__time_duration.sum` output and the --groups file of the same run (each
-    line: label and how many launches of each profiled kernel it made, in launch order), the first `skip`
-    of each left out (first-touch)."""
+def summary_rows(path: str, groups_path: str, skip: int) -> list[tuple]:
+    """(configuration, kernel, launches kept, median, min, max µs) from one `ncu --csv --print-units base
+    --metrics gpu__time_duration.sum` output (ns) and the --groups file of the same run (each line: a label
+    and how many launches of each profiled kernel it made, in launch order); the first `skip` launches of
+    each configuration are left out (first touch)."""
     with open(path) as f:
         rows = list(csv.reader(line for line in f if line.startswith('"')))
     head, body = rows[0], rows[1:]
@@ -122,13 +122,23 @@ def summarize(path: str, groups_path: str, skip: int):
             seq.setdefault(r[name], []).append(float(r[value].replace(",", "")) / 1e3)
     with open(groups_path) as f:
         groups = [(label, int(n)) for label, n in (line.rstrip("\n").rsplit("\t", 1) for line in f if line.strip())]
-    print("| configuration | kernel | launches | median µs | min-max |\n|---|---|---|---|---|")
+    out = []
     for kernel, durations in seq.items():
+        if sum(n for _, n in groups) != len(durations):
+            raise ValueError(f"{kernel}: {len(durations)} launches profiled, the groups name "
+                             f"{sum(n for _, n in groups)}: was every launch profiled (ncu -c)?")
         at = 0
         for label, n in groups:
             v, at = durations[at:at + n][skip:], at + n
             if v:
-                print(f"| {label} | {kernel[:40]} | {len(v)} | {statistics.median(v):.2f} | {min(v):.2f}-{max(v):.2f} |")
+                out.append((label, kernel, len(v), statistics.median(v), min(v), max(v)))
+    return out
+
+
+def summarize(path: str, groups_path: str, skip: int):
+    print("| configuration | kernel | launches | median µs | min-max |\n|---|---|---|---|---|")
+    for label, kernel, n, med, lo, hi in summary_rows(path, groups_path, skip):
+        print(f"| {label} | {kernel[:40]} | {n} | {med:.2f} | {lo:.2f}-{hi:.2f} |")
 
 
 def main():
