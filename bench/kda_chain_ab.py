@@ -15,8 +15,11 @@ alike are compared bit for bit: this tree's row loop against its unrolled kernel
 count, and each other tree's default against this tree's unrolled kernel at BV16 w4 (when timed). Prints
 a table last: µs per call, with fla's fused_recurrent_kda in both its forms where --fla-json
 (kda_bench.py --fla-child with KDA_BENCH_TS set to the same widths) is given. With --profile, a second table
-splits each in-graph figure: the chain kernel's own duration in the loop, and the other kernels XLA runs
-per call (the kernel time is what compares with fla's graph-captured figures, whose graphs hold nothing else).
+splits each in-graph figure: the chain kernel's own duration in the loop, and the loop's other kernels per
+call (its set-up, once per loop). The rest of a call's time is XLA's gap between launches; the kernel time is
+what compares with fla's graph-captured figures, whose graphs hold nothing else
+(bench/results/kda_h200_2026-12-01.md). --graphs times each variant also with the loop compiled as the
+model's steps are (command buffers around the loop too).
 """
 
 from __future__ import annotations
@@ -78,10 +81,10 @@ def variants_here(block_vs, warps, norms_first=False):
 
 
 def profile_loops(harness, runs, xs_t) -> dict:
-    """(label, t) -> the kernels of a timed loop (ITERS iterations of R calls) from a profile: the chain
-    kernel's median duration, and how many other kernels (and how many µs of them) the loop ran per call,
-    e.g. copies XLA adds around the call. The in-graph µs per call is kernel time plus these plus the launch
-    gaps."""
+    """(label, t) -> the kernels of a timed loop (PROFILE_ITERS iterations of R calls) from a profile: the
+    chain kernel's median duration, and how many other kernels (and how many µs of them) the loop ran per
+    call: its set-up (the carried buffers' first copies and fills) and the gate's per-iteration add. The
+    in-graph µs per call is kernel time plus these plus XLA's gaps between launches."""
     import tempfile
 
     import jax

@@ -90,8 +90,8 @@ MAX_T = 16
 
 def _state_tiles(s_ref, h, col0, block_v):
     """The program's committed state tiles [K, BV], as volatile loads: on the H200 the T = 1 kernel took
-    4.70 µs with them against 4.96-5.02 with plain loads (ncu, 29 launches each, two calls), and ~0.2 µs less
-    in a timed loop too; T = 4, 6, 16 unchanged, results bit-identical (bench/results/kda_h200_2026-12-01.md).
+    4.70-4.74 µs with them against 4.96-5.02 with plain loads (ncu, 29 launches each, three calls), and
+    ~0.2 µs less in a timed loop too; T = 4, 6, 16 unchanged, results bit-identical (bench/results/kda_h200_2026-12-01.md).
     Why is not settled: the sm_90 code issues the state's loads at the same place, after the prologue, as
     strong loads."""
     zero = jnp.int32(0)  # an array index: interpret mode does not take a Python int in a volatile load
