@@ -85,8 +85,6 @@ def profile_loops(harness, runs, xs_t) -> dict:
     chain kernel's median duration, and how many other kernels (and how many µs of them) the loop ran per
     call: its set-up (the carried buffers' first copies and fills) and the gate's per-iteration add. The
     in-graph µs per call is kernel time plus these plus XLA's gaps between launches."""
-    import tempfile
-
     import jax
 
     from lingjax import profiling
@@ -96,10 +94,7 @@ def profile_loops(harness, runs, xs_t) -> dict:
         run = harness.loop(fn, PROFILE_ITERS)
         xs = xs_t[key[1]]
         jax.block_until_ready(run(xs))
-        with tempfile.TemporaryDirectory() as tmp:
-            with profiling.capture(tmp) as trace:
-                jax.block_until_ready(run(xs))
-            kernels = [k for k in profiling.load_kernels(trace.path) if k.device == 0]
+        kernels = profiling.traced_kernels(run, xs)
         chain = [k.dur_us for k in kernels if "kda_chain_verify" in k.name]
         others = [k.dur_us for k in kernels if "kda_chain_verify" not in k.name]
         calls = PROFILE_ITERS * R

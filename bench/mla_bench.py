@@ -21,7 +21,6 @@ import argparse
 import collections
 import datetime
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -72,10 +71,7 @@ def call(opts, tokens, scale, interpret):
 def kernel_times(loop, args, calls: int, top: int = 6) -> str:
     """One call of `loop` under the profiler: its `top` kernels by time, as 'name µs' per attention call
     (device 0; `calls` attention calls in the loop)."""
-    with tempfile.TemporaryDirectory() as d:
-        with profiling.capture(d) as trace:
-            jax.block_until_ready(loop(*args))
-        kernels = [k for k in profiling.load_kernels(trace.path) if k.device == 0]
+    kernels = profiling.traced_kernels(loop, *args)
     total = collections.Counter()
     for k in kernels:
         total[k.name[:40]] += k.dur_us / calls

@@ -25,7 +25,6 @@ import argparse
 import collections
 import datetime
 import statistics
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -62,13 +61,9 @@ DOWN_TILES = [{}, dict(bn_down=64, bk_down=256, stages_down=3), dict(bn_down=64,
 def kernel_us(fn, *args) -> dict:
     """Median duration per kernel name (µs) in a profile of fn(*args), after one untimed call."""
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as tmp:
-        with profiling.capture(tmp) as trace:
-            jax.block_until_ready(fn(*args))
-        per = collections.defaultdict(list)
-        for k in profiling.load_kernels(trace.path):
-            if k.device == 0:
-                per[k.name].append(k.dur_us)
+    per = collections.defaultdict(list)
+    for k in profiling.traced_kernels(fn, *args):
+        per[k.name].append(k.dur_us)
     return {name: statistics.median(v) for name, v in per.items()}
 
 

@@ -26,6 +26,7 @@ import dataclasses
 import gzip
 import json
 import re
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -134,6 +135,15 @@ def load_kernels(trace_path: str | Path) -> list[Kernel]:
         kernels.append(Kernel(devices[e["pid"]], float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", ""),
                               str(args.get("hlo_op", ""))))
     return kernels
+
+
+def traced_kernels(fn, *args, device: int = 0) -> list[Kernel]:
+    """The GPU kernels of one call fn(*args), run to completion under the profiler, on `device` (a
+    temporary trace, removed after)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with capture(tmp) as trace:
+            jax.block_until_ready(fn(*args))
+        return [k for k in load_kernels(trace.path) if k.device == device]
 
 
 def category(kernel: Kernel, scope: str) -> str:
