@@ -176,9 +176,9 @@ def main():
 
     timers = {key: timed_loop(fn) for key, fn in runs.items()}
     if a.graphs:  # each variant again, its loop compiled as the model's step programs are
-        from lingjax.runtime import COMMAND_BUFFERS
+        from lingjax.runtime import step_compiler_options
 
-        opts = {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS, "xla_gpu_graph_min_graph_size": 1}
+        opts = step_compiler_options()
         for (label, t), fn in runs.items():
             timers[f"{label} (step graphs)", t] = timed_loop(fn, compiler_options=opts)
     per_round = {key: [] for key in timers}

@@ -56,13 +56,18 @@ def step_jit(fun, collectives_in_graphs: bool = False, xla_options: tuple[tuple[
     programs, (name, value) pairs, e.g. ("xla_gpu_experimental_force_split_k", 1), to A/B a compiler
     choice in one process (bench/step_bench.py --xla-option). Elsewhere plain jax.jit."""
     if target.platform() == "gpu":
-        kwargs["compiler_options"] = {
-            "xla_gpu_enable_command_buffer": COMMAND_BUFFERS + (",COLLECTIVES" if collectives_in_graphs else ""),
-            "xla_gpu_graph_min_graph_size": 1,
-            "xla_gpu_dot_merger_threshold_mb": 0,
-            **dict(xla_options),
-        }
+        kwargs["compiler_options"] = step_compiler_options(collectives_in_graphs, xla_options)
     return jax.jit(fun, **kwargs)
+
+
+def step_compiler_options(collectives_in_graphs: bool = False, xla_options=()) -> dict:
+    """The GPU compiler options of step_jit (see there), for a bench that compiles its own loop the same way."""
+    return {
+        "xla_gpu_enable_command_buffer": COMMAND_BUFFERS + (",COLLECTIVES" if collectives_in_graphs else ""),
+        "xla_gpu_graph_min_graph_size": 1,
+        "xla_gpu_dot_merger_threshold_mb": 0,
+        **dict(xla_options),
+    }
 
 
 def check_rounds_per_call(n: int) -> int:
