@@ -48,22 +48,34 @@ BUDGET_S = float(os.environ.get("KDA_BENCH_BUDGET_S", 200))  # seconds for the J
 
 
 # ---------------------------------------------------------------- fla (PyTorch) child process
+def fla_inputs(torch, t: int, n: int, in_kernel: bool = False, dev: str = "cuda"):
+    """fused_recurrent_kda's inputs for n rotating sets (each tensor with a leading axis n): the positional
+    (q, k, v, g, beta), the keywords besides the state, and the states s. The plain form takes l2-normalised
+    q, k, a gate g < 0 and beta in (0, 1); the in-kernel form (`in_kernel`: our kernel's fusions less the
+    conv, as a serving stack calls it) takes raw q, k, f and beta's logits, with A_log and dt_bias, and does
+    the l2norm, the safe gate and the sigmoid in its kernel."""
+    bf = torch.bfloat16
+    shape = (n, 1, t, H, D)
+    v, s = torch.randn(shape, device=dev).to(bf), torch.randn(n, 1, H, D, D, device=dev)
+    if in_kernel:
+        q, k = (torch.randn(shape, device=dev).to(bf) for _ in range(2))
+        f, b = torch.randn(shape, device=dev), torch.randn(n, 1, t, H, device=dev).to(bf)
+        kw = dict(A_log=torch.log(torch.empty(H, device=dev).uniform_(1, 16)), dt_bias=torch.randn(H * D, device=dev),
+                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  lower_bound=-5.0)
+        return (q, k, v, f, b), kw, s
+    q, k = (torch.nn.functional.normalize(torch.randn(shape, device=dev), dim=-1).to(bf) for _ in range(2))
+    g = -5.0 * torch.sigmoid(2 * torch.randn(shape, device=dev))
+    beta = torch.sigmoid(torch.randn(n, 1, t, H, device=dev)).to(bf)
+    return (q, k, v, g, beta), {}, s
+
+
 def fla_main():
     import torch
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
-    dev, res = "cuda", {}
+    res = {}
     torch.manual_seed(0)
-
-    def rnd_inputs(t, n):
-        q = torch.nn.functional.normalize(torch.randn(n, 1, t, H, D, device=dev), dim=-1)
-        k = torch.nn.functional.normalize(torch.randn(n, 1, t, H, D, device=dev), dim=-1)
-        v = torch.randn(n, 1, t, H, D, device=dev)
-        g = -5.0 * torch.sigmoid(2 * torch.randn(n, 1, t, H, D, device=dev))
-        beta = torch.sigmoid(torch.randn(n, 1, t, H, device=dev))
-        s = torch.randn(n, 1, H, D, D, device=dev)
-        bf = torch.bfloat16
-        return q.to(bf), k.to(bf), v.to(bf), g, beta.to(bf), s
 
     def graph_time(fn, calls, reps=30):
         stream = torch.cuda.Stream()
@@ -88,32 +100,19 @@ def fla_main():
         return statistics.median(times)
 
     for t in TS:
-        q, k, v, g, beta, s = rnd_inputs(t, R)
+        for key, in_kernel in ((f"fused_recurrent_T{t}", False), (f"fused_recurrent_in_kernel_T{t}", True)):
+            args, kw, s = fla_inputs(torch, t, R, in_kernel)
 
-        def run():
-            for i in range(R):
-                fused_recurrent_kda(q[i], k[i], v[i], g[i], beta[i], initial_state=s[i], output_final_state=True)
+            def run():
+                for i in range(R):
+                    fused_recurrent_kda(*(a[i] for a in args), initial_state=s[i], output_final_state=True, **kw)
 
-        # the fusions ours has, less the conv: l2norm of raw q, k, the safe gate from raw f with A_log and
-        # dt_bias, and beta's sigmoid, all in fla's kernel (as a serving stack calls it)
-        qr, kr = torch.randn_like(q, dtype=torch.bfloat16), torch.randn_like(k, dtype=torch.bfloat16)
-        fr, br = torch.randn_like(g), torch.randn_like(beta)
-        a_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
-        dt_bias = torch.randn(H * D, device=dev)
-
-        def run_fused():
-            for i in range(R):
-                fused_recurrent_kda(qr[i], kr[i], v[i], fr[i], br[i], A_log=a_log, dt_bias=dt_bias, initial_state=s[i],
-                                    output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                    use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
-
-        for key, fn in ((f"fused_recurrent_T{t}", run), (f"fused_recurrent_in_kernel_T{t}", run_fused)):
             try:
-                res[key] = graph_time(fn, R)
+                res[key] = graph_time(run, R)
             except Exception as e:  # report and go on
                 res[key] = f"failed: {type(e).__name__}: {e}"[:300]
         print(json.dumps(res), flush=True)
-    q, k, v, g, beta, s = rnd_inputs(PREFILL_T, 2)
+    (q, k, v, g, beta), _, s = fla_inputs(torch, PREFILL_T, 2)
     for safe in (False, True):
         kw = dict(safe_gate=True, lower_bound=-5.0) if safe else {}
 

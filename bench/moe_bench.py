@@ -40,6 +40,8 @@ from report import Report  # bench/report.py, beside this script
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # the Flash clamps of the late layers (ling3_architecture.md §6.3)
+FLASH_DIMS = dict(d=2560, i=768, e=512)  # hidden, expert intermediate, experts
+ROUTING = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)  # Flash's noaux_tc routing
 ROUTERS = {  # name -> route() options; "legacy" is the first version, the rest the vector select kernel
     "legacy": dict(LEGACY),
     "default": {},  # K split 5, be 16, 4 select warps per token
@@ -110,8 +112,9 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     smoke = args.smoke
-    d, i, e, n_layers = (64, 32, 64, 2) if smoke else (2560, 768, 512, 8)
-    cfg = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)
+    d, i, e = (64, 32, 64) if smoke else (FLASH_DIMS["d"], FLASH_DIMS["i"], FLASH_DIMS["e"])
+    n_layers = 2 if smoke else 8
+    cfg = ROUTING
     ts = (1, 6) if smoke else (1, 6, 16)
     ts_all = (1, 6, 16)  # the router section is cheap: T = 16 (NP past the pair-axis align) in the smoke run too
     n_iter, reps = (1, 1) if smoke else (30, 7)

@@ -59,35 +59,16 @@ def run_fla(ts, launches: int, forms, group):
     import torch
     from fla.ops.kda import fused_recurrent_kda
 
-    from kda_bench import D, H
+    from kda_bench import fla_inputs
 
-    dev, bf = "cuda", torch.bfloat16
     torch.manual_seed(0)
     for t in ts:
         for form in forms:
-            args, kw = _fla_inputs(torch, t, form == "in", H, D, dev, bf)
+            args, kw, s = fla_inputs(torch, t, 1, form == "in")
             group(f"fla T={t} {form}", launches)
             for _ in range(launches):
-                fused_recurrent_kda(*args, **kw)
+                fused_recurrent_kda(*(a[0] for a in args), initial_state=s[0], output_final_state=True, **kw)
             torch.cuda.synchronize()
-
-
-def _fla_inputs(torch, t, in_kernel, H, D, dev, bf):
-    """fused_recurrent_kda's positional and keyword arguments, as kda_bench's fla child makes them."""
-    q, k = (torch.nn.functional.normalize(torch.randn(1, t, H, D, device=dev), dim=-1).to(bf) for _ in range(2))
-    v = torch.randn(1, t, H, D, device=dev).to(bf)
-    s = torch.randn(1, H, D, D, device=dev)
-    if in_kernel:  # raw q, k, f and b: the norms, the safe gate and beta's sigmoid happen in fla's kernel
-        f, b = torch.randn(1, t, H, D, device=dev), torch.randn(1, t, H, device=dev).to(bf)
-        a_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
-        dt_bias = torch.randn(H * D, device=dev)
-        kw = dict(A_log=a_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                  use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
-        args = (q, k, v, f, b)
-    else:
-        g = -5.0 * torch.sigmoid(2 * torch.randn(1, t, H, D, device=dev))
-        args, kw = (q, k, v, g, torch.sigmoid(torch.randn(1, t, H, device=dev)).to(bf)), {}
-    return args, dict(kw, initial_state=s, output_final_state=True)
 
 
 def run_moe(ts, launches: int, group):
@@ -96,11 +77,11 @@ def run_moe(ts, launches: int, group):
 
     import moe_bench
 
-    cfg = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)
-    layer = moe_bench.make_layer(jax.random.key(0), 2560, 768, 512)
-    fn = jax.jit(lambda x, p: moe_bench.pallas_layer(x, p, cfg, {}))
+    dims = moe_bench.FLASH_DIMS
+    layer = moe_bench.make_layer(jax.random.key(0), **dims)
+    fn = jax.jit(lambda x, p: moe_bench.pallas_layer(x, p, moe_bench.ROUTING, {}))
     for t in ts:
-        x = jax.random.normal(jax.random.key(1), (t, 2560), jnp.float32).astype(jnp.bfloat16)
+        x = jax.random.normal(jax.random.key(1), (t, dims["d"]), jnp.float32).astype(jnp.bfloat16)
         group(f"moe T={t}", launches + 1)
         jax.block_until_ready(fn(x, layer))  # compiles; its launches are the group's first
         for _ in range(launches):
