@@ -104,6 +104,11 @@ def profile_loops(harness, runs, xs_t) -> dict:
     return out
 
 
+def _profiled_cell(p) -> str:
+    """profile_loops' figures for one variant and T as a table cell ("—" where not profiled)."""
+    return f"{p['chain_us']:.2f} (+{p['others_per_call']:.1f} others, {p['others_us']:.2f})" if p else "—"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", action="append", default=[], help="label=path of another checkout (repeatable)")
@@ -214,8 +219,7 @@ def main():
                   "median duration, and the other kernels the loop ran per call (count, µs)", "",
                   head, "|---" * (len(ts) + 1) + "|"]
         for label in labels:
-            cells = [(lambda p: f"{p['chain_us']:.2f} (+{p['others_per_call']:.1f} others, {p['others_us']:.2f})"
-                      if p else "—")(profiled.get((label, t))) for t in ts]
+            cells = [_profiled_cell(profiled.get((label, t))) for t in ts]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     print("\n".join(lines), flush=True)
     res["table"] = "\n".join(lines)

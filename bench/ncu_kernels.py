@@ -45,9 +45,9 @@ def run_chain(ts, launches: int, block_v: int | None, warps: int | None, group):
     from lingjax.pallas.kda_chain import kda_chain_verify
 
     h = kda_bench.chain_harness()
+    opts = {k: v for k, v in dict(block_v=block_v, num_warps=warps).items() if v is not None}
     for t in ts:
         xs = h.inputs(t)
-        opts = {k: v for k, v in dict(block_v=block_v, num_warps=warps).items() if v is not None}
         fn = jax.jit(lambda *a, t=t: kda_chain_verify(*a, tokens=t, in_place=False, **h.cfg, **opts))
         group(f"chain T={t}", launches + 1)
         jax.block_until_ready(fn(*h.args(xs, 0)))  # compiles; its launch is the group's first
