@@ -5,7 +5,9 @@ bandwidth every byte floor below uses, the fastest of a read probe (twice) and t
 (ROUTERS) alone and router + the align launch the expert kernels need at T > 1, at T in {1, 6, 16}, each checked
 against the reference; (4) whole MoE layers: plain XLA (ops.moe route + experts_gathered + mlp), the previous
 Pallas path (LEGACY bf16 router, shared expert fused into the expert kernels) and the model's path (the f32 router
-with default options, as lingjax.model.MoE calls it; fused_experts makes its own align plan, shared fused), and the
+with default options, as lingjax.model.MoE calls it; fused_experts makes its own align plan, shared fused), the
+model path again with its loop compiled as the step programs are (lingjax.runtime.step_compiler_options: command
+buffers around the loop, programmatic dependent launch), and with those options but PDL off, and the
 model path's kernels one by one (profiled); (5) fused_experts' tiles in the model-path layer: the up and down
 kernels' profiled times per tile pair at T in {1, 4, 6}, at I = 768 and at a TP2 device's I = 384, and each pair's
 rows checked bit-equal to the default's (row invariance).
@@ -30,11 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lingjax import profiling
+from lingjax import profiling, target
 from lingjax.ops import moe as moe_ops
 from lingjax.pallas.moe_align import BLOCK_M, align_reference, moe_align
 from lingjax.pallas.moe_experts import fused_experts
 from lingjax.pallas.moe_router import LEGACY, route
+from lingjax.runtime import step_compiler_options
 from measure import median_seconds, read_bandwidth, rel  # bench/measure.py, beside this script
 from report import Report  # bench/report.py, beside this script
 
@@ -92,7 +95,7 @@ def pallas_layer(x, p, cfg, router, precision="f32", tiles=None, interpret=None,
     return y.astype(dtype or x.dtype)
 
 
-def loop_over_layers(layer_fn, n_iter):
+def loop_over_layers(layer_fn, n_iter, compiler_options=None):
     """Jitted (layers, xs) -> n_iter rounds of layer_fn over all layers in one fori_loop (weights stay arguments)."""
 
     def run(layers, xs):
@@ -103,7 +106,7 @@ def loop_over_layers(layer_fn, n_iter):
 
         return jax.lax.fori_loop(0, n_iter, body, jnp.zeros_like(xs[0]))
 
-    return jax.jit(run)
+    return jax.jit(run, compiler_options=compiler_options)
 
 
 def main():
@@ -229,23 +232,30 @@ def main():
     say("\n## whole MoE layer (router + routed + shared), per layer, cold weights over %d layers" % n_layers)
     say("previous: LEGACY router in bf16 + shared fused; model path: the f32 router with default options (as the "
         "model calls it) + shared fused; both: fused_experts makes its own align plan (a launch at T > 1)")
+    say("step options: the model path's loop compiled with lingjax.runtime.step_compiler_options (the step "
+        "programs' command buffers and programmatic dependent launch); PDL off: the same with xla_gpu_enable_pdl=false")
     say("| T | distinct experts | floor µs | XLA gather µs (x floor) | Pallas previous µs (x floor) | "
-        "Pallas model path µs (x floor) | speed-up vs previous |")
-    say("|---|---|---|---|---|---|---|")
+        "Pallas model path µs (x floor) | speed-up vs previous | step options µs (x floor) | step options, PDL off µs "
+        "(x floor) |")
+    say("|---|---|---|---|---|---|---|---|---|")
+    step_opts = [step_compiler_options(), step_compiler_options(xla_options=(("xla_gpu_enable_pdl", False),))]
+    if target.platform() != "gpu":  # the smoke run: no GPU options to apply
+        step_opts = [None, None]
     breakdown = {}
     for t in ts:
         xs = [jax.random.normal(jax.random.key(400 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
         dist = np.mean([len(np.unique(np.asarray(moe_ops.route(x, p["router"], p["bias"], **cfg)[1])))
                         for x, p in zip(xs, layers)])
         floor = ((dist + 1) * expert_b + router_b) / bw
+        model_path = lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"])
         res = []
-        for fn in (lambda x, p: xla_layer(x, p, cfg),
-                   lambda x, p: pallas_layer(x, p, cfg, ROUTERS["legacy"], precision="bf16"),
-                   lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"])):
-            res.append(median_seconds(loop_over_layers(fn, n_iter), layers, xs, reps=reps) / (n_iter * n_layers))
-        say(f"| {t} | {dist:.1f} | {floor * 1e6:.1f} | {res[0] * 1e6:.1f} ({res[0] / floor:.2f}x) | "
-            f"{res[1] * 1e6:.1f} ({res[1] / floor:.2f}x) | {res[2] * 1e6:.1f} ({res[2] / floor:.2f}x) | "
-            f"{res[1] / res[2]:.2f}x |")
+        for fn, opts in ((lambda x, p: xla_layer(x, p, cfg), None),
+                         (lambda x, p: pallas_layer(x, p, cfg, ROUTERS["legacy"], precision="bf16"), None),
+                         (model_path, None), (model_path, step_opts[0]), (model_path, step_opts[1])):
+            res.append(median_seconds(loop_over_layers(fn, n_iter, opts), layers, xs, reps=reps) / (n_iter * n_layers))
+        cell = lambda sec: f"{sec * 1e6:.1f} ({sec / floor:.2f}x)"
+        say(f"| {t} | {dist:.1f} | {floor * 1e6:.1f} | {cell(res[0])} | {cell(res[1])} | {cell(res[2])} | "
+            f"{res[1] / res[2]:.2f}x | {cell(res[3])} | {cell(res[4])} |")
         breakdown[t] = kernel_us(loop_over_layers(lambda x, p: pallas_layer(x, p, cfg, {}), max(1, n_iter // 4)),
                                  layers, xs)
     say("\nmodel path, kernel by kernel (profiled medians, µs; one launch each per layer):")

@@ -52,7 +52,11 @@ def step_jit(fun, collectives_in_graphs: bool = False, xla_options: tuple[tuple[
     into one GEMM by copying the five weight matrices into a new buffer every step (26 MB a layer,
     0.6 ms of a TP4 round), which at batch 1 costs far more than the launches it saves. Those five
     are now one stacked weight (KDAAttention.in_proj); the flag keeps XLA from doing the same to
-    other projections of one input (MLA's q/kv_a/g). xla_options: more XLA debug options for these
+    other projections of one input (MLA's q/kv_a/g).
+    Programmatic dependent launch is on (Hopper: a kernel may start while the one before it drains, and
+    waits in its prologue for that one's results): a mid TP1 round ran 0.9-3.0% faster in three processes,
+    decode between 2.5% faster and 1.4% slower (bench/results/pdl_h200_2026-12-01.md). XLA's kernels wait by construction; the
+    Pallas kernels wait through lingjax.pallas.grid_dependency. xla_options: more XLA debug options for these
     programs, (name, value) pairs, e.g. ("xla_gpu_experimental_force_split_k", 1), to A/B a compiler
     choice in one process (bench/step_bench.py --xla-option). Elsewhere plain jax.jit."""
     if target.platform() == "gpu":
@@ -66,6 +70,7 @@ def step_compiler_options(collectives_in_graphs: bool = False, xla_options=()) -
         "xla_gpu_enable_command_buffer": COMMAND_BUFFERS + (",COLLECTIVES" if collectives_in_graphs else ""),
         "xla_gpu_graph_min_graph_size": 1,
         "xla_gpu_dot_merger_threshold_mb": 0,
+        "xla_gpu_enable_pdl": True,
         **dict(xla_options),
     }
 

@@ -1,4 +1,5 @@
-"""Every Pallas kernel lowers to Triton IR for an H200 (sm_90) on this CPU machine.
+"""Every Pallas kernel lowers to Triton IR for an H200 (sm_90) on this CPU machine, its kernel waiting
+for its producers first.
 
 The interpret-mode tests check the kernels' arithmetic; they never run Pallas's Triton lowering, which
 rejects some programs interpret mode accepts (unsupported ops, shapes, layouts). Lowering for "cuda"
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 from jax._src.pallas.triton import gpu_info
 
+from lingjax.pallas.grid_dependency import WAIT_ASM
 from lingjax.pallas.kda_chain import kda_chain_verify
 from lingjax.pallas.kda_prefill import kda_chunked_prefill
 from lingjax.pallas.mla_decode import mla_decode_attention
@@ -36,8 +38,12 @@ def h200(monkeypatch):
 
 
 def _triton_calls(fn, *shapes) -> int:
+    """The Pallas (Triton) calls of fn lowered for the H200; each must begin its kernel with
+    griddepcontrol.wait (lingjax.pallas.grid_dependency: the step programs run with PDL)."""
     text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    return text.count("__gpu$xla.gpu.triton")
+    calls = text.split("__gpu$xla.gpu.triton")[1:]
+    assert all(WAIT_ASM in call for call in calls), "a Pallas kernel without griddepcontrol.wait"
+    return len(calls)
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 7])

@@ -5,12 +5,16 @@ attention at decode/verify widths, split-L from the bf16 cache), moe_router, moe
 moe_experts (grouped GEMMs with the SwiGLU epilogue); and skinny_linear
 (projections at 16 rows), measured but not in the kernel set (its docstring says why). lingjax/kernels.py
 maps each onto the reference op it replaces; `lingjax.load(..., kernels="pallas")` selects them.
+Every kernel is launched through `pallas_call` below, which starts it with griddepcontrol.wait
+(grid_dependency: the step programs run with programmatic dependent launch).
 """
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from lingjax import target
+from lingjax.pallas.grid_dependency import after_producers
 
 _NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b [N, K]ᵀ
 
@@ -33,3 +37,9 @@ def dot_nt(a, b):
     narrower ones on the tensor cores with f32 accumulation."""
     prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return jax.lax.dot_general(a, b, _NT, precision=prec, preferred_element_type=jnp.float32)
+
+
+def pallas_call(kernel, **kwargs):
+    """pl.pallas_call, its kernel first waiting for the kernels it depends on (lingjax.pallas.grid_dependency:
+    safe under XLA's programmatic dependent launch). Every kernel of the package goes through here."""
+    return pl.pallas_call(after_producers(kernel), **kwargs)

@@ -82,7 +82,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import pow2_tile, resolve_interpret
+from lingjax.pallas import pallas_call, pow2_tile, resolve_interpret
 
 F32 = jnp.float32
 MAX_T = 16
@@ -362,7 +362,7 @@ def kda_chain_verify(proj, x, b_proj, ring, start, conv_w, a_log, dt_bias, state
         kernel = functools.partial(_chain_loop_kernel, **cfg)
     else:
         kernel = functools.partial(_chain_kernel, hoist_loads=hoist_loads, **cfg)
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         grid=(h, dv // (block_v * tiles)),
         out_shape=(jax.ShapeDtypeStruct((rows, h, dv), jnp.float32),
@@ -392,7 +392,7 @@ def kda_commit(staged, n, *, block_k: int = 32, interpret=None):
     _, h, dk, dv = staged.shape
     block_k = min(block_k, dk)
     assert dk % block_k == 0
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_commit_kernel, block_k=block_k),
         grid=(h, dk // block_k),
         out_shape=jax.ShapeDtypeStruct(staged.shape[1:], staged.dtype),

@@ -55,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import resolve_interpret
+from lingjax.pallas import pallas_call, resolve_interpret
 
 SUB = 16  # phase 1a's sub-chunk rows (D)
 
@@ -244,9 +244,8 @@ def _output_kernel(qp_ref, op_ref, hs_ref, o_ref, *, chunk, block_v, prec):
 
 
 def _call(kernel, grid, out_shape, *args, num_warps, num_stages, interpret, name):
-    return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
-                          compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-                          )(*args)
+    return pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
+                       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages))(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_k", "prepare_block_k", "blocks_warps", "num_warps",

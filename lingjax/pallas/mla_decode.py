@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops.mla import absorb_query
-from lingjax.pallas import _NT, pow2_tile, resolve_interpret
+from lingjax.pallas import _NT, pallas_call, pow2_tile, resolve_interpret
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 BM = 16  # query rows per program: the tensor cores' minimum M; one token's heads at H = 16 (Flash at TP2)
@@ -157,7 +157,7 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
     def params(stages):
         return None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=stages)
 
-    acc, m, l = pl.pallas_call(
+    acc, m, l = pallas_call(
         functools.partial(_split_kernel, heads=h, real=real, block_l=block_l, splits=splits, scale=float(scale)),
         grid=(splits, n_rows // BM),
         out_shape=(jax.ShapeDtypeStruct((splits, n_rows, rank), F32), jax.ShapeDtypeStruct((splits, n_rows), F32),
@@ -168,7 +168,7 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
     )(q_lat.reshape(rows * h, rank), q_pe.reshape(rows * h, r), positions, cache)
     out_rows = pl.cdiv(rows * h, BM) * BM
     block_r = pow2_tile(rank, max(16, 16384 // (splits * BM)))  # ~16K partials a program
-    ctx = pl.pallas_call(
+    ctx = pallas_call(
         functools.partial(_combine_kernel, real=real, block_r=block_r),
         grid=(out_rows // BM, rank // block_r),
         out_shape=jax.ShapeDtypeStruct((out_rows, rank), F32),

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import resolve_interpret
+from lingjax.pallas import pallas_call, resolve_interpret
 
 PAIR_LIMIT = 64  # the [NP, NP] comparison runs in one program up to here; larger NP sorts
 BLOCK_M = 16  # rows per block of the expert GEMMs (the Triton dot minimum); ≥ T keeps each expert in one block
@@ -138,7 +138,7 @@ def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, tokens=None, num_warps
     slots = nb * block_m
     if flat.shape[0] < npp:
         flat = jnp.pad(flat, (0, npp - flat.shape[0]))
-    ids, blk, pos, meta = pl.pallas_call(
+    ids, blk, pos, meta = pallas_call(
         functools.partial(_align_kernel, npairs=npairs, block_m=block_m),
         out_shape=(
             jax.ShapeDtypeStruct((slots,), _I32),

@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import dot_nt, pow2_tile, resolve_interpret
+from lingjax.pallas import dot_nt, pallas_call, pow2_tile, resolve_interpret
 
 from lingjax.ops.moe import experts_gathered  # the reference
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
@@ -188,7 +188,7 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     up_stage = block_m * bk_up * x_bytes + 2 * bn_up * bk_up * w_gate.dtype.itemsize  # x rows, gate and up
     down_stage = block_m * bk_down * x_bytes + bn_down * bk_down * w_down.dtype.itemsize  # h rows (x's dtype), down
 
-    h = pl.pallas_call(
+    h = pallas_call(
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
                           limit=float(limit), shared_limit=float(shared_limit)),
         out_shape=jax.ShapeDtypeStruct((slots + ns * block_m, i_dim), x.dtype),
@@ -203,7 +203,7 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     if y_init is not None:
         down_args, aliases = down_args + (y_init,), {len(down_args): 0}
     out_rows = npairs + 1 + (t if ns else 0)
-    y = pl.pallas_call(
+    y = pallas_call(
         functools.partial(_down_kernel, nb=nb, npairs=npairs, block_m=block_m, bn=bn_down, bk=bk_down,
                           has_shared=ns > 0),
         out_shape=jax.ShapeDtypeStruct((out_rows, d), F32),

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import dot_nt, resolve_interpret
+from lingjax.pallas import dot_nt, pallas_call, resolve_interpret
 
 F32 = jnp.float32
 
@@ -173,7 +173,7 @@ def _gemv(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt, warp
     be = _divisor(n_exp, be)
     exact_in_bf16 = tensor_core_f32 and x.dtype == router_w.dtype == jnp.bfloat16  # products exact in f32
     dtype = F32 if precision == "f32" and not exact_in_bf16 else jnp.bfloat16
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_gemv_kernel, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype),
         out_shape=jax.ShapeDtypeStruct((k_splits, t, n_exp), F32),
         grid=(n_exp // be, k_splits, pl.cdiv(t, bt)),
@@ -216,7 +216,7 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
         kernel = functools.partial(_select_serial_kernel, **cfg)
     else:
         kernel = functools.partial(_select_kernel, **cfg)
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32)),
         grid=(t,),

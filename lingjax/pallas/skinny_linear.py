@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops.linear import linear
-from lingjax.pallas import dot_nt, pow2_tile, resolve_interpret
+from lingjax.pallas import dot_nt, pallas_call, pow2_tile, resolve_interpret
 
 F32 = jnp.float32
 MAX_ROWS = 64  # the whole x is every program's M block
@@ -70,7 +70,7 @@ def skinny_linear(x, w, out_dtype=None, *, block_n: int | None = None, block_k: 
         return linear(x, w, out_dtype)
     block_n, block_k = pow2_tile(n, block_n), pow2_tile(k, block_k)
     interpret = resolve_interpret(interpret)
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_kernel, block_n=block_n, block_k=block_k),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(n // block_n,),
