@@ -241,13 +241,13 @@ def main():
     step_opts = [step_compiler_options(), step_compiler_options(xla_options=(("xla_gpu_enable_pdl", False),))]
     if target.platform() != "gpu":  # the smoke run: no GPU options to apply
         step_opts = [None, None]
+    model_path = lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"])  # as lingjax.model.MoE calls it
     breakdown = {}
     for t in ts:
         xs = [jax.random.normal(jax.random.key(400 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
         dist = np.mean([len(np.unique(np.asarray(moe_ops.route(x, p["router"], p["bias"], **cfg)[1])))
                         for x, p in zip(xs, layers)])
         floor = ((dist + 1) * expert_b + router_b) / bw
-        model_path = lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"])
         res = []
         for fn, opts in ((lambda x, p: xla_layer(x, p, cfg), None),
                          (lambda x, p: pallas_layer(x, p, cfg, ROUTERS["legacy"], precision="bf16"), None),
@@ -256,8 +256,7 @@ def main():
         cell = lambda sec: f"{sec * 1e6:.1f} ({sec / floor:.2f}x)"
         say(f"| {t} | {dist:.1f} | {floor * 1e6:.1f} | {cell(res[0])} | {cell(res[1])} | {cell(res[2])} | "
             f"{res[1] / res[2]:.2f}x | {cell(res[3])} | {cell(res[4])} |")
-        breakdown[t] = kernel_us(loop_over_layers(lambda x, p: pallas_layer(x, p, cfg, {}), max(1, n_iter // 4)),
-                                 layers, xs)
+        breakdown[t] = kernel_us(loop_over_layers(model_path, max(1, n_iter // 4)), layers, xs)
     say("\nmodel path, kernel by kernel (profiled medians, µs; one launch each per layer):")
     for t, us in breakdown.items():
         say(f"T={t}: " + ", ".join(f"{name} {v:.2f}" for name, v in sorted(us.items(), key=lambda kv: -kv[1])))

@@ -55,10 +55,10 @@ def step_jit(fun, collectives_in_graphs: bool = False, xla_options: tuple[tuple[
     other projections of one input (MLA's q/kv_a/g).
     Programmatic dependent launch is on (Hopper: a kernel may start while the one before it drains, and
     waits in its prologue for that one's results): a mid TP1 round ran 0.9-3.0% faster in three processes,
-    decode between 2.5% faster and 1.4% slower (bench/results/pdl_h200_2026-12-01.md). XLA's kernels wait by construction; the
-    Pallas kernels wait through lingjax.pallas.grid_dependency. xla_options: more XLA debug options for these
-    programs, (name, value) pairs, e.g. ("xla_gpu_experimental_force_split_k", 1), to A/B a compiler
-    choice in one process (bench/step_bench.py --xla-option). Elsewhere plain jax.jit."""
+    decode between 2.5% faster and 1.4% slower (bench/results/pdl_h200_2026-12-01.md). XLA's kernels wait
+    by construction; the Pallas kernels wait through lingjax.pallas.grid_dependency. xla_options: more XLA
+    debug options for these programs, (name, value) pairs, e.g. ("xla_gpu_experimental_force_split_k", 1),
+    to A/B a compiler choice in one process (bench/step_bench.py --xla-option). Elsewhere plain jax.jit."""
     if target.platform() == "gpu":
         kwargs["compiler_options"] = step_compiler_options(collectives_in_graphs, xla_options)
     return jax.jit(fun, **kwargs)
