@@ -20,9 +20,10 @@ loop at every T, and a verify must round each row as plain decode (T = 1) does, 
 (A GPU check: in interpret mode on the CPU the two differ in the last bits.)
 
 The chain rows are µs per call in XLA's loop, fla's per call in a PyTorch CUDA graph. fla's figure is its
-kernel's duration; ours also carries XLA's gap between launches, 3.3-4.9 µs a call on the H200
-(bench/results/kda_h200_2026-12-01.md). Kernel against kernel: bench/ncu_kernels.py, or kda_chain_ab.py
---profile for our kernel's time inside this loop.
+kernel's duration; ours also carries the gaps between this loop's launches, 3.3-4.9 µs a call on the
+H200 (bench/results/kda_h200_2026-12-01.md; not a cost every launch pays: pdl_h200_2026-12-01.md).
+Kernel against kernel: bench/ncu_kernels.py, or kda_chain_ab.py --profile for our kernel's time inside
+this loop.
 """
 
 from __future__ import annotations

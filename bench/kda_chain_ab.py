@@ -16,7 +16,7 @@ count, and each other tree's default against this tree's unrolled kernel at BV16
 a table last: µs per call, with fla's fused_recurrent_kda in both its forms where --fla-json
 (kda_bench.py --fla-child with KDA_BENCH_TS set to the same widths) is given. With --profile, a second table
 splits each in-graph figure: the chain kernel's own duration in the loop, and the loop's other kernels per
-call (its set-up, once per loop). The rest of a call's time is XLA's gap between launches; the kernel time is
+call (its set-up, once per loop). The rest of a call's time lies between the loop's launches; the kernel time is
 what compares with fla's graph-captured figures, whose graphs hold nothing else
 (bench/results/kda_h200_2026-12-01.md). --graphs times each variant also with the loop compiled as the
 model's steps are (command buffers around the loop too).
