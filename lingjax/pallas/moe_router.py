@@ -4,9 +4,10 @@ Two launches, both tiny:
   1. Gate GEMV, grid (E tile, K split, token block): partial logits [KS, T, E] f32. Reading the 2.6 MB
      router weight at full bandwidth needs many CTAs in flight at once: the default K split of 5 gives
      32 × 5 = 160 programs of one 16 KB tile each (k_splits=1 gave 32 programs streaming 80 KB).
-  2. Selection, one token per program of 4 warps (select="vector", the default): sum the K-split partials,
-     sigmoid, add the bias for selection only, top-2 sum per group, keep the top `topk_group` groups, top-k experts,
-     weights from the raw scores, renormalise, scale. Building the experts' align plan in this kernel too
+  2. Selection, one token per program of 4 warps (select="vector", the default; `token_routing`): sum the
+     K-split partials, sigmoid, add the bias for selection only, top-2 sum per group, keep the top `topk_group`
+     groups, top-k experts, weights from the raw scores, renormalise, scale. At T = 1 the model runs no select
+     launch: lingjax.pallas.moe_experts.routed_experts calls `token_routing` inside its up kernel. Building the experts' align plan in this kernel too
      (one program over all tokens) was tried and measured slower than router + a separate align launch
      (T = 6 on the H200: 37.1 vs 27.7 µs, bench/results/moe_h200_2026-11-29_run3.md).
      select="serial" is the first version (one program per token, ~28 full-width argmax passes, each a
@@ -46,10 +47,9 @@ F32 = jnp.float32
 LEGACY = dict(k_splits=1, bk=512, select="serial", select_warps=4, tensor_core_f32=False)
 
 
-def _gemv_kernel(x_ref, w_ref, p_ref, *, bt, be, bk, k_per_split, dtype):
-    # x_ref [T, D]; w_ref [E, D]; p_ref [KS, T, E] f32 partial logits
+def _gemv_kernel(x_ref, w_ref, p_ref, *, t, bt, be, bk, k_per_split, dtype):
+    # x_ref [R ≥ T, D] (rows past T unread); w_ref [E, D]; p_ref [KS, T, E] f32 partial logits
     ei, si, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t = x_ref.shape[0]
     rows = jnp.minimum(ti * bt + jnp.arange(bt), t - 1)  # [BT] clamped: tail rows repeat the last token
     cols = pl.ds(ei * be, be)
 
@@ -112,50 +112,58 @@ def _select_serial_kernel(p_ref, b_ref, w_ref, e_ref, *, n_group, topk_group, to
     e_ref[t, :] = ids
 
 
-def _select_rows(logits, bias, *, n_group, topk_group, top_k, scaling, renormalize):
-    """Routing of a block of tokens: logits [TB, E] f32, bias [E] f32 -> (weights [TB, k] f32, ids [TB, k] int32),
-    each row as lingjax.ops.moe.route. Each reduction sits on the critical path of a select program, so
-    there are few, and all groups share them: the two largest of every group in one [TB, G, E/G] pass
-    (argmax, then the max of the rest), the kept groups by rank (one [TB, G, G] count, no reduction over E),
-    then k argmax passes over the kept experts. lax.argmax breaks ties to the lower index, as lax.top_k."""
-    tb, n_exp = logits.shape
+def select_token(logits, bias, *, n_group, topk_group, top_k, scaling, renormalize):
+    """Routing of one token inside a kernel: logits [1, E] f32, bias [E] f32 -> (weights [1, k] f32, ids [1, k]
+    int32), as lingjax.ops.moe.route. Each reduction sits on the critical path of a select program, so there
+    are few, and all groups share them: the two largest of every group in one [1, G, E/G] pass (argmax, then
+    the max of the rest), the kept groups by rank (one [1, G, G] count, no reduction over E), k argmax passes
+    over the kept experts, then the k raw scores in one [k, E] pass (a score per argmax pass measured ~0.9 µs
+    slower on the H200, bench/results/moe_h200_2026-12-01_run3.md). lax.argmax breaks ties to the lower
+    index, as lax.top_k."""
+    n_exp = logits.shape[1]
     gsize = n_exp // n_group
     scores = 1.0 / (1.0 + jnp.exp(-logits))  # sigmoid, f32
     sel = scores + bias[None, :]  # bias steers selection only
-    sel3 = sel.reshape(tb, n_group, gsize)
-    first = jax.lax.argmax(sel3, 2, jnp.int32)  # [TB, G]
-    j3 = jax.lax.broadcasted_iota(jnp.int32, (tb, n_group, gsize), 2)
+    sel3 = sel.reshape(1, n_group, gsize)
+    first = jax.lax.argmax(sel3, 2, jnp.int32)  # [1, G]
+    j3 = jax.lax.broadcasted_iota(jnp.int32, (1, n_group, gsize), 2)
     second = jnp.max(jnp.where(j3 == first[:, :, None], -jnp.inf, sel3), axis=2)
-    gscore = jnp.max(sel3, axis=2) + second  # top-2 sum per group, [TB, G], summed in lax.top_k's order
+    gscore = jnp.max(sel3, axis=2) + second  # top-2 sum per group, [1, G], summed in lax.top_k's order
     me, other = gscore[:, :, None], gscore[:, None, :]
-    gi = jax.lax.broadcasted_iota(jnp.int32, (tb, n_group, n_group), 1)
-    go = jax.lax.broadcasted_iota(jnp.int32, (tb, n_group, n_group), 2)
+    gi = jax.lax.broadcasted_iota(jnp.int32, (1, n_group, n_group), 1)
+    go = jax.lax.broadcasted_iota(jnp.int32, (1, n_group, n_group), 2)
     beaten = (other > me) | ((other == me) & (go < gi))  # groups ranked ahead of this one
-    keep = jnp.sum(jnp.where(beaten, 1, 0), axis=2) < topk_group  # [TB, G]
-    masked = jnp.where(keep[:, :, None], sel3, -jnp.inf).reshape(tb, n_exp)
+    keep = jnp.sum(jnp.where(beaten, 1, 0), axis=2) < topk_group  # [1, G]
+    masked = jnp.where(keep[:, :, None], sel3, -jnp.inf).reshape(1, n_exp)
 
-    eidx = jax.lax.broadcasted_iota(jnp.int32, (tb, n_exp), 1)
-    kidx = jax.lax.broadcasted_iota(jnp.int32, (tb, top_k), 1)
-    ids, wts = jnp.zeros((tb, top_k), jnp.int32), jnp.zeros((tb, top_k), F32)
+    eidx = jax.lax.broadcasted_iota(jnp.int32, (1, n_exp), 1)
+    kidx = jax.lax.broadcasted_iota(jnp.int32, (1, top_k), 1)
+    ids = jnp.zeros((1, top_k), jnp.int32)
     for j in range(top_k):
-        i = jax.lax.argmax(masked, 1, jnp.int32)  # [TB]
-        hit = eidx == i[:, None]
+        i = jax.lax.argmax(masked, 1, jnp.int32)  # [1]
         ids = jnp.where(kidx == j, i[:, None], ids)
-        wts = jnp.where(kidx == j, jnp.sum(jnp.where(hit, scores, 0.0), axis=1)[:, None], wts)  # raw score
-        masked = jnp.where(hit, -jnp.inf, masked)
+        masked = jnp.where(eidx == i[:, None], -jnp.inf, masked)
+    chosen = jax.lax.broadcasted_iota(jnp.int32, (top_k, n_exp), 1) == ids[0][:, None]  # [k, E]
+    wts = jnp.sum(jnp.where(chosen, scores[0][None, :], 0.0), axis=1)[None, :]  # raw scores, [1, k]
     if renormalize:
         wts = wts / (jnp.sum(wts, axis=1)[:, None] + 1e-20)
     return wts * scaling, ids
 
 
-def _select_kernel(p_ref, b_ref, w_ref, e_ref, **cfg):
-    # one token per program: p_ref [KS, T, E] f32 partial logits; b_ref [E] f32; w_ref [T, k] f32;
-    # e_ref [T, k] int32
-    row = pl.ds(pl.program_id(0), 1)
+def token_routing(p_ref, b_ref, t, **cfg):
+    """Token t's routing from the GEMV's partial logits p_ref [KS, T, E] f32 and the bias b_ref [E] f32, inside a
+    kernel: (weights [1, k] f32, ids [1, k] int32)."""
+    row = pl.ds(t, 1)
     logits = p_ref[0, row, :]
     for s in range(1, p_ref.shape[0]):
         logits = logits + p_ref[s, row, :]
-    w_ref[row, :], e_ref[row, :] = _select_rows(logits, b_ref[...], **cfg)
+    return select_token(logits, b_ref[...], **cfg)
+
+
+def _select_kernel(p_ref, b_ref, w_ref, e_ref, **cfg):
+    # one token per program: w_ref [T, k] f32; e_ref [T, k] int32
+    row = pl.ds(pl.program_id(0), 1)
+    w_ref[row, :], e_ref[row, :] = token_routing(p_ref, b_ref, pl.program_id(0), **cfg)
 
 
 def _divisor(n: int, want: int) -> int:
@@ -163,9 +171,18 @@ def _divisor(n: int, want: int) -> int:
     return next(d for d in range(min(want, n), 0, -1) if n % d == 0)
 
 
-def _gemv(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt, warps, stages, interpret):
-    """Partial logits [KS, T, E] f32."""
-    t, d = x.shape
+# the GEMV launch's defaults (route's and partial_logits')
+GEMV = dict(be=16, bk=512, k_splits=5, bt=16, warps=4, stages=3, tensor_core_f32=True)
+
+
+def partial_logits(x, router_w, *, precision="f32", tokens=None, be=GEMV["be"], bk=GEMV["bk"],
+                   k_splits=GEMV["k_splits"], bt=GEMV["bt"], warps=GEMV["warps"], stages=GEMV["stages"],
+                   tensor_core_f32=GEMV["tensor_core_f32"], interpret=None):
+    """The gate GEMV's launch: partial logits [KS, T, E] f32 of x's first T = `tokens` rows (default all), read
+    in place; their sum over KS is x · router_wᵀ."""
+    interpret = resolve_interpret(interpret)
+    t = x.shape[0] if tokens is None else tokens
+    d = x.shape[1]
     n_exp = router_w.shape[0]
     k_splits = _divisor(d, k_splits)
     k_per_split = d // k_splits
@@ -174,7 +191,7 @@ def _gemv(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt, warp
     exact_in_bf16 = tensor_core_f32 and x.dtype == router_w.dtype == jnp.bfloat16  # products exact in f32
     dtype = F32 if precision == "f32" and not exact_in_bf16 else jnp.bfloat16
     return pallas_call(
-        functools.partial(_gemv_kernel, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype),
+        functools.partial(_gemv_kernel, t=t, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype),
         out_shape=jax.ShapeDtypeStruct((k_splits, t, n_exp), F32),
         grid=(n_exp // be, k_splits, pl.cdiv(t, bt)),
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages),
@@ -189,9 +206,9 @@ def _gemv(x, router_w, *, precision, tensor_core_f32, be, bk, k_splits, bt, warp
                      "k_splits", "bt", "warps", "stages", "tensor_core_f32", "select", "select_warps",
                      "interpret"),
 )
-def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize, precision="f32", be=16,
-          bk=512, k_splits=5, bt=16, warps=4, stages=3, tensor_core_f32=True, select="vector", select_warps=4,
-          interpret=None):
+def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize, precision="f32", be=GEMV["be"],
+          bk=GEMV["bk"], k_splits=GEMV["k_splits"], bt=GEMV["bt"], warps=GEMV["warps"], stages=GEMV["stages"],
+          tensor_core_f32=GEMV["tensor_core_f32"], select="vector", select_warps=4, interpret=None):
     """Same as lingjax.ops.moe.route: x [T, D], router_w [E, D], bias [E] -> (weights [T, k] f32, experts
     [T, k] int32).
 
@@ -208,8 +225,8 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
     n_exp = router_w.shape[0]
     if topk_group * (n_exp // n_group) < top_k:
         raise ValueError(f"top_k={top_k} needs at least that many experts in the {topk_group} kept groups")
-    partial = _gemv(x, router_w, precision=precision, tensor_core_f32=tensor_core_f32, be=be, bk=bk,
-                    k_splits=k_splits, bt=bt, warps=warps, stages=stages, interpret=interpret)
+    partial = partial_logits(x, router_w, precision=precision, tensor_core_f32=tensor_core_f32, be=be, bk=bk,
+                             k_splits=k_splits, bt=bt, warps=warps, stages=stages, interpret=interpret)
     cfg = dict(n_group=n_group, topk_group=topk_group, top_k=top_k, scaling=float(scaling),
                renormalize=bool(renormalize))
     if select == "serial":
