@@ -32,6 +32,7 @@ OPS = {
     "mla_absorbed": (mla_ops.mla_absorbed, "lingjax.pallas.mla_decode:mla_decode_attention"),
     "moe_route": (moe_ops.route, "lingjax.pallas.moe_router:route"),
     "moe_experts": (moe_ops.experts_gathered, "lingjax.pallas.moe_experts:fused_experts"),
+    "moe_routed_experts": (moe_ops.routed_experts, "lingjax.pallas.moe_experts:routed_experts"),
 }
 
 

@@ -241,35 +241,45 @@ class MoE(nnx.Module):
             if cfg.shared_intermediate_size else None
         )
 
+    def routing(self, cfg: LingConfig, paths: Paths) -> dict:
+        return dict(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                    scaling=cfg.routed_scaling_factor, renormalize=cfg.norm_topk_prob,
+                    precision=paths.ex.router_precision)
+
     def route(self, cfg: LingConfig, x, paths: Paths):
-        """-> (weights [T, k] f32, experts [T, k] int32). A method of its own so that
-        nnx.capture(..., method_outputs=nnx.Intermediate) can record the routers' choices."""
+        """-> (weights [T, k] f32, experts [T, k] int32). A method of its own so that a caller can record
+        the routers' choices (bench/step_bench.py wraps it); a Pallas decode (T = 1) routes inside its
+        expert launches instead and never calls it."""
         with jax.named_scope("moe_router"):
-            return paths.op("moe_route")(
-                x, self.router[...], self.router_bias[...], top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
-                topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor, renormalize=cfg.norm_topk_prob,
-                precision=paths.ex.router_precision,
-            )
+            return paths.op("moe_route")(x, self.router[...], self.router_bias[...], **self.routing(cfg, paths))
 
     def __call__(self, cfg: LingConfig, x, paths: Paths):
         """x: [rows, D]: all rows are routed (one router GEMM shape), the real ones alone reach the
         experts (padded rows would read experts of their own)."""
-        weights, experts = self.route(cfg, x, paths)
         t = paths.tokens
-        with jax.named_scope("moe_experts"):
-            w = (self.w_gate[...], self.w_up[...], self.w_down[...])
-            shared = self.shared
-            if paths.ex.kernels == "pallas":
-                # the Pallas kernels read the real rows in place (no slicing launches) and run the shared
-                # expert, when its width matches, as extra blocks of the same launches
-                fuse = shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]
-                extra = dict(shared=(shared.gate_proj[...], shared.up_proj[...], shared.down_proj[...]),
-                             shared_limit=shared.limit) if fuse else {}
-                y = paths.op("moe_experts")(x, *w, weights, experts, self.limit, tokens=t, **extra)
-                shared = None if fuse else shared
+        w = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        shared = self.shared
+        if paths.ex.kernels == "pallas":
+            # the Pallas kernels read the real rows in place (no slicing launches) and run the shared
+            # expert, when its width matches, as extra blocks of the same launches
+            fuse = shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]
+            extra = dict(shared=(shared.gate_proj[...], shared.up_proj[...], shared.down_proj[...]),
+                         shared_limit=shared.limit) if fuse else {}
+            shared = None if fuse else shared
+            if t == 1:  # decode: the up kernel routes the token itself, no select launch
+                with jax.named_scope("moe_experts"):
+                    y = paths.op("moe_routed_experts")(x, self.router[...], self.router_bias[...], *w, self.limit,
+                                                       tokens=1, **self.routing(cfg, paths), **extra)
             else:
+                weights, experts = self.route(cfg, x, paths)
+                with jax.named_scope("moe_experts"):
+                    y = paths.op("moe_experts")(x, *w, weights, experts, self.limit, tokens=t, **extra)
+        else:
+            weights, experts = self.route(cfg, x, paths)
+            with jax.named_scope("moe_experts"):
                 experts_op = paths.op("moe_experts") if paths.moe_gathered else moe_ops.experts_sorted
                 y = experts_op(x[:t], *w, weights[:t], experts[:t], self.limit)
+        with jax.named_scope("moe_experts"):
             y = paths.pad(y)
         if shared is not None:
             with jax.named_scope("moe_shared"):

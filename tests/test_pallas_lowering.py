@@ -19,7 +19,7 @@ from lingjax.pallas.kda_chain import kda_chain_verify
 from lingjax.pallas.kda_prefill import kda_chunked_prefill
 from lingjax.pallas.mla_decode import mla_decode_attention
 from lingjax.pallas.moe_align import moe_align
-from lingjax.pallas.moe_experts import fused_experts
+from lingjax.pallas.moe_experts import fused_experts, routed_experts
 from lingjax.pallas.moe_router import route
 from lingjax.pallas.skinny_linear import skinny_linear
 
@@ -59,6 +59,11 @@ def test_moe_kernels_lower(tokens):
     assert _triton_calls(router, S((ROWS, D), BF), S((E, D), BF), S((E,), F32)) >= 1
     align = functools.partial(moe_align, tokens=tokens, block_m=16, interpret=False)
     assert _triton_calls(align, S((ROWS, K), I32)) == 1
+    routed = functools.partial(routed_experts, limit=4.0, top_k=K, n_group=8, topk_group=4, scaling=2.5,
+                               renormalize=True, tokens=tokens, shared_limit=7.0, interpret=False)
+    n = _triton_calls(lambda x, r, b, *a: routed(x, r, b, *a[:3], shared=a[3:]), S((ROWS, D), BF), S((E, D), BF),
+                      S((E,), F32), *weights, *shared)
+    assert n == (3 if tokens == 1 else 5)  # GEMV, up (routing inside), down (+ select and align above T = 1)
 
 
 @pytest.mark.parametrize("tokens,opts", [(1, {}), (4, {}), (16, {}), (4, dict(row_loop=False)),

@@ -11,7 +11,7 @@ from conftest import fixture_dirs, key_for, rel_err
 from lingjax import kernels
 from lingjax.ops import moe
 from lingjax.pallas.moe_align import PAIR_LIMIT, align_reference, moe_align
-from lingjax.pallas.moe_experts import fused_experts
+from lingjax.pallas.moe_experts import fused_experts, routed_experts
 from lingjax.pallas.moe_router import LEGACY, route
 
 D, I, E = 64, 32, 16
@@ -207,6 +207,33 @@ def test_fused_experts_read_the_real_rows_in_place(t, dtype):
         np.testing.assert_array_equal(g, w)
     with pytest.raises(ValueError, match="tokens"):
         fused_experts(x, wg, wu, wd, weights, experts, tokens=rows + 1)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("rows,t", [(1, 1), (16, 1), (16, 6)])
+def test_routed_experts_match_reference(rows, t, shared, ties):
+    """routed_experts (at T = 1 the up kernel routes the token itself) equals the reference route +
+    experts_gathered (+ shared) on x's first T rows, and bit for bit the Pallas route + fused_experts (the
+    same selection code and expert kernels: a decode's row equals a verify's). The padded rows hold other
+    tokens, so routing the wrong row shows; with ties, experts 2i and 2i+1 share router row and bias but
+    not weights, so a tie broken to the higher index shows."""
+    d, e = 64, 64
+    ks = jax.random.split(key_for("routed", rows, t, shared, ties), 8)
+    normal = lambda kk, shape, fan_in: jax.random.normal(kk, shape) * fan_in**-0.5
+    router, bias = normal(ks[0], (e, d), d), 0.1 * jax.random.normal(ks[1], (e,))
+    if ties:
+        router, bias = jnp.repeat(router[::2], 2, axis=0), jnp.repeat(bias[::2], 2)
+    w = (normal(ks[2], (e, I, d), d), normal(ks[3], (e, I, d), d), normal(ks[4], (e, d, I), I))
+    sh = (normal(ks[5], (I, d), d), normal(ks[6], (I, d), d), normal(ks[7], (d, I), I)) if shared else None
+    x = jax.random.normal(key_for("routed x", rows, t), (rows, d))
+    with jax.default_matmul_precision("highest"):
+        want = moe.routed_experts(x, router, bias, *w, 0.5, **FLASH_ROUTING, tokens=t, shared=sh, shared_limit=0.7)
+    got = routed_experts(x, router, bias, *w, 0.5, **FLASH_ROUTING, tokens=t, shared=sh, shared_limit=0.7)
+    assert got.shape == (t, d) and rel_err(got, want) <= 1e-5
+    weights, experts = route(x, router, bias, **FLASH_ROUTING)
+    two_launches = fused_experts(x, *w, weights, experts, 0.5, tokens=t, shared=sh, shared_limit=0.7)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(two_launches))
 
 
 @pytest.mark.parametrize("fixture", fixture_dirs(), ids=lambda p: p.name)

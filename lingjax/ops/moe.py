@@ -63,6 +63,17 @@ def experts_gathered(x, w_gate, w_up, w_down, weights, experts, limit: float = 0
     return jnp.einsum("tkd,tk->td", y, weights)
 
 
+def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit: float = 0.0, *, top_k, n_group, topk_group,
+                   scaling, renormalize, precision="f32", tokens=None, shared=None, shared_limit: float = 0.0):
+    """route, then experts_gathered, of x's first T = `tokens` rows (default all); with `shared=(w_gate, w_up,
+    w_down)` plus the shared expert (mlp, clamped at shared_limit). -> [T, D] f32."""
+    x = x[: x.shape[0] if tokens is None else tokens]
+    weights, experts = route(x, router_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                             scaling=scaling, renormalize=renormalize, precision=precision)
+    y = experts_gathered(x, w_gate, w_up, w_down, weights, experts, limit)
+    return y if shared is None else y + mlp(x, *shared, shared_limit)
+
+
 def experts_sorted(x, w_gate, w_up, w_down, weights, experts, limit: float = 0.0):
     """Prefill path: sort (token, slot) pairs by expert and run grouped GEMMs (ragged_dot).
 

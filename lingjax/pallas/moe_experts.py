@@ -1,9 +1,9 @@
 """Routed experts at batch 1: pair-axis align, grouped up-GEMM with a SwiGLU epilogue, down-GEMM + combine.
 
-Replaces `lingjax.ops.moe.experts_gathered` (same arguments, same [T, D] f32 result):
+`fused_experts` replaces `lingjax.ops.moe.experts_gathered` (same arguments, same [T, D] f32 result):
   1. moe_align (lingjax/pallas/moe_align.py) sorts the T·k (token, slot) pairs into blocks of `block_m`
      rows that share one expert (one launch on the pair axis for NP ≤ 64, sort-based above; at T = 1
-     no launch: each pair is its own block, see _single_token_plan).
+     no launch: each pair is its own block, see _single_token_slots).
   2. Up kernel, grid (block, I tile): rows gathered from x by token, gate and up tiles read from the two
      [E, I, D] arrays in the same K loop, h = act(g, u) in f32 and rounded once to x's dtype.
   3. Down kernel, grid (block, D tile): y = h · W_downᵀ in f32, times the pair's routing weight, stored
@@ -11,6 +11,9 @@ Replaces `lingjax.ops.moe.experts_gathered` (same arguments, same [T, D] f32 res
 Each block holds one expert and, for T·k ≤ 64 at block_m ≥ T, a bucket never spans two blocks, so every
 touched expert's weights are read exactly once per call. Unused blocks (past the published total) exit
 at once. Padding rows point at a spare row NP of the pair buffer, so no store needs a mask.
+
+`routed_experts` replaces `lingjax.ops.moe.routed_experts` (routing included): at T = 1 the up kernel's
+programs route the token themselves from the router's partial logits, so a decode has no select launch.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from lingjax.pallas import dot_nt, pallas_call, pow2_tile, resolve_interpret
 
 from lingjax.ops.moe import experts_gathered  # the reference
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
+from lingjax.pallas.moe_router import partial_logits, route, token_routing
 
 F32 = jnp.float32
 # Shared memory a pipelined K loop may take on an H200 (232448 B per block), less room for the rest of
@@ -49,15 +53,20 @@ def _swiglu(g, u, limit):
     return act * u
 
 
-def _up_kernel(ids_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
-               shared_limit):
-    # ids_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
+def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
+               shared_limit, routing):
+    # plan_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
     # x_ref [R ≥ T, D] (rows past T unread); wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
-    # h_ref [S (+ shared blocks · BM), I] in x's dtype
-    *shared, h_ref = rest
+    # h_ref [S (+ shared blocks · BM), I] in x's dtype.
+    # With `routing` (T = 1): plan_ref holds the router's partial logits [KS, 1, E] and blk_ref its bias [E];
+    # block b's program selects the token's experts itself and takes the b-th, and program (0, 0) publishes
+    # the routing, w_ref [1, k] f32 and e_ref [1, k] int32, for the down kernel.
+    if routing:
+        *shared, h_ref, w_ref, e_ref = rest
+    else:
+        *shared, h_ref = rest
     b, n = pl.program_id(0), pl.program_id(1)
     npairs = tokens * top_k
-    e = blk_ref[jnp.minimum(b, nb - 1)]
     cols = pl.ds(n * bn, bn)
     slots = pl.ds(b * block_m, block_m)
 
@@ -71,11 +80,25 @@ def _up_kernel(ids_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k
         g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, step, (zero, zero))
         h_ref[slots, cols] = _swiglu(g, u, lim).astype(h_ref.dtype)  # the one rounding
 
-    @pl.when((b < nb) & (e >= 0))
-    def _():
-        rows = ids_ref[pl.ds(b * block_m, block_m)]  # [BM]
-        tok = jnp.minimum(rows, npairs - 1) // top_k  # padding rows reuse a real token, never stored later
-        block(tok, lambda ks: wg_ref[e, cols, ks], lambda ks: wu_ref[e, cols, ks], limit)
+    if routing:
+        @pl.when(b < nb)
+        def _():
+            wts, ids = token_routing(plan_ref, blk_ref, 0, **dict(routing))
+            expert = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1) == b, ids, 0))
+            tok = jnp.zeros((block_m,), jnp.int32)
+            block(tok, lambda ks: wg_ref[expert, cols, ks], lambda ks: wu_ref[expert, cols, ks], limit)
+
+            @pl.when((b == 0) & (n == 0))
+            def _():
+                w_ref[...], e_ref[...] = wts, ids
+    else:
+        e = blk_ref[jnp.minimum(b, nb - 1)]
+
+        @pl.when((b < nb) & (e >= 0))
+        def _():
+            rows = plan_ref[pl.ds(b * block_m, block_m)]  # [BM]
+            tok = jnp.minimum(rows, npairs - 1) // top_k  # padding rows reuse a real token, never stored later
+            block(tok, lambda ks: wg_ref[e, cols, ks], lambda ks: wu_ref[e, cols, ks], limit)
 
     if shared:
         sg_ref, su_ref = shared
@@ -120,27 +143,30 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, bloc
             y_ref[npairs + 1 + tok, cols] = block(lambda ks: sd_ref[cols, ks])  # unweighted
 
 
-def _single_token_plan(experts, block_m: int):
+def _single_token_slots(top_k: int, block_m: int):
     """The block plan at T = 1 without an align launch: a token's top-k experts are distinct, so pair j
-    gets block j alone (slot j·block_m) and the block's expert is the pair's. A constant slot table and
-    the expert ids themselves, flat, read in place (row 0's k ids come first): on the H200 the pair-axis
-    align is a ~13 µs single-program launch (bench/results/moe_h200_2026-11-29_run2.md) against a 30 µs
-    byte floor for the whole layer. Repeated
-    experts (not produced by routing) still compute correctly, each block reading its expert again."""
-    top_k = experts.shape[1]
+    gets block j alone (slot j·block_m) and block j's expert is the token's j-th. A constant slot table;
+    the experts are the routing's ids themselves, flat (row 0's k ids come first). On the H200 the
+    pair-axis align is a ~13 µs single-program launch (bench/results/moe_h200_2026-11-29_run2.md) against
+    a 30 µs byte floor for the whole layer. Repeated experts (not produced by routing) still compute
+    correctly, each block reading its expert again."""
     ids = np.full((top_k * block_m,), top_k, np.int32)  # sentinel NP = top_k in the padding slots
     ids[np.arange(top_k) * block_m] = np.arange(top_k)
-    return jnp.asarray(ids), experts.reshape(-1).astype(jnp.int32)
+    return jnp.asarray(ids)
+
+
+# Tiles: one set for every T (see fused_experts)
+TILES = dict(bn_up=64, bk_up=128, bn_down=64, bk_down=128, warps_up=4, warps_down=4, stages_up=5, stages_down=3)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("limit", "tokens", "block_m", "bn_up", "bk_up", "bn_down", "bk_down", "warps_up",
-                     "warps_down", "stages_up", "stages_down", "shared_limit", "interpret"),
+    static_argnames=("limit", "tokens", "block_m", *TILES, "shared_limit", "interpret"),
 )
-def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, tokens=None, block_m=BLOCK_M, bn_up=64,
-                  bk_up=128, bn_down=64, bk_down=128, warps_up=4, warps_down=4, stages_up=5, stages_down=3, shared=None,
-                  shared_limit=0.0, interpret=None, y_init=None):
+def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, tokens=None, block_m=BLOCK_M,
+                  bn_up=TILES["bn_up"], bk_up=TILES["bk_up"], bn_down=TILES["bn_down"], bk_down=TILES["bk_down"],
+                  warps_up=TILES["warps_up"], warps_down=TILES["warps_down"], stages_up=TILES["stages_up"],
+                  stages_down=TILES["stages_down"], shared=None, shared_limit=0.0, interpret=None, y_init=None):
     """Σ_k w·E_k(x) as [T, D] f32; same arguments and result as `experts_gathered`.
 
     x: [R, D]; w_gate/w_up: [E, I, D]; w_down: [E, D, I] (torch [out, in]); weights: [R, k] f32;
@@ -159,25 +185,71 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     up 20.7 and down 11.0 µs against 23.8 and 13.1 for the previous 32 x 256 / 64 x 256).
     """
     interpret = resolve_interpret(interpret)
-    rows, d = x.shape
+    rows = x.shape[0]
     t = rows if tokens is None else tokens
     if not 1 <= t <= rows or weights.shape[0] != rows or experts.shape[0] != rows:
         raise ValueError(f"tokens={tokens} for x {x.shape}, weights {weights.shape}, experts {experts.shape}")
-    n_exp, i_dim, _ = w_gate.shape
     top_k = experts.shape[1]
+    n_blocks = n_blocks_for(t * top_k, block_m, w_gate.shape[0])
+    if t == 1 and n_blocks == top_k:
+        plan, nb = (_single_token_slots(top_k, block_m), experts.reshape(-1).astype(jnp.int32)), top_k
+    else:
+        ids, blk, _, _ = moe_align(experts, block_m=block_m, n_blocks=n_blocks, tokens=t, interpret=interpret)
+        plan, nb = (ids, blk), blk.shape[0]
+    tiles = dict(bn_up=bn_up, bk_up=bk_up, bn_down=bn_down, bk_down=bk_down, warps_up=warps_up,
+                 warps_down=warps_down, stages_up=stages_up, stages_down=stages_down)
+    return _expert_launches(x, w_gate, w_up, w_down, plan, weights.reshape(-1).astype(F32), limit, t=t, nb=nb,
+                            top_k=top_k, block_m=block_m, tiles=tiles, shared=shared, shared_limit=shared_limit,
+                            routing=None, interpret=interpret, y_init=y_init)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("limit", "top_k", "n_group", "topk_group", "scaling", "renormalize", "precision", "tokens",
+                     "shared_limit", "select_in_up", "interpret"),
+)
+def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k, n_group, topk_group, scaling,
+                   renormalize, precision="f32", tokens=None, shared=None, shared_limit=0.0, select_in_up=True,
+                   interpret=None):
+    """The routed experts of x's first T = `tokens` rows (default all), routing included: as
+    lingjax.ops.moe.routed_experts, [T, D] f32 (`shared`, `shared_limit` as in fused_experts).
+
+    At T = 1 routing costs no launch of its own: after the router's GEMV launch (partial logits), every
+    program of the up kernel that reads a routed expert sums the partials and selects the token's experts
+    itself (lingjax.pallas.moe_router.token_routing, the select kernel's own code, so the same bits), takes
+    the b-th, and program (0, 0) hands the routing to the down kernel. On the H200 a Flash layer took 41.9
+    µs this way against 44.3 with the select launch (bench/results/moe_h200_2026-12-01_run3.md). Above
+    T = 1, or with select_in_up=False (an A/B in the step: step_bench --kernel-option): the two router
+    launches (lingjax.pallas.moe_router.route), then fused_experts.
+    """
+    interpret = resolve_interpret(interpret)
+    t = x.shape[0] if tokens is None else tokens
+    routing = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, scaling=float(scaling),
+                   renormalize=bool(renormalize))
+    if t > 1 or not select_in_up or n_blocks_for(top_k, BLOCK_M, w_gate.shape[0]) != top_k:
+        weights, experts = route(x, router_w, bias, precision=precision, **routing, interpret=interpret)
+        return fused_experts(x, w_gate, w_up, w_down, weights, experts, limit, tokens=t, shared=shared,
+                             shared_limit=shared_limit, interpret=interpret)
+    if topk_group * (router_w.shape[0] // n_group) < top_k:
+        raise ValueError(f"top_k={top_k} needs at least that many experts in the {topk_group} kept groups")
+    logits = partial_logits(x, router_w, precision=precision, tokens=1, interpret=interpret)
+    return _expert_launches(x, w_gate, w_up, w_down, (logits, bias.astype(F32)), None, limit, t=1, nb=top_k,
+                            top_k=top_k, block_m=BLOCK_M, tiles=TILES, shared=shared, shared_limit=shared_limit,
+                            routing=tuple(routing.items()), interpret=interpret, y_init=None)
+
+
+def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, top_k, block_m, tiles, shared,
+                     shared_limit, routing, interpret, y_init):
+    """The up and down launches and the k-sum. plan: (slot table, expert per block) with weights [NP] f32, or
+    with `routing` (T = 1) the router's (partial logits, bias), weights None: the up kernel routes."""
+    d = x.shape[1]
+    n_exp, i_dim, _ = w_gate.shape
     npairs = t * top_k
     if shared is not None and shared[0].shape != (i_dim, d):
         raise ValueError(f"a fused shared expert needs width {i_dim}, got {shared[0].shape}")
-    bn_up, bk_up = pow2_tile(i_dim, bn_up), pow2_tile(d, bk_up)
-    bn_down, bk_down = pow2_tile(d, bn_down), pow2_tile(i_dim, bk_down)
-    n_blocks = n_blocks_for(npairs, block_m, n_exp)
-    if t == 1 and n_blocks == top_k:
-        ids, blk = _single_token_plan(experts, block_m)
-        nb = top_k
-    else:
-        ids, blk, _, _ = moe_align(experts, block_m=block_m, n_blocks=n_blocks, tokens=t, interpret=interpret)
-        nb = blk.shape[0]
-    slots = ids.shape[0]
+    bn_up, bk_up = pow2_tile(i_dim, tiles["bn_up"]), pow2_tile(d, tiles["bk_up"])
+    bn_down, bk_down = pow2_tile(d, tiles["bn_down"]), pow2_tile(i_dim, tiles["bk_down"])
+    slots = nb * block_m if routing else plan[0].shape[0]
     ns = 0 if shared is None else pl.cdiv(t, block_m)  # shared-expert blocks
 
     def params(warps, stages, per_stage_bytes):  # per stage: one K step's tiles of both operands
@@ -188,17 +260,22 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     up_stage = block_m * bk_up * x_bytes + 2 * bn_up * bk_up * w_gate.dtype.itemsize  # x rows, gate and up
     down_stage = block_m * bk_down * x_bytes + bn_down * bk_down * w_down.dtype.itemsize  # h rows (x's dtype), down
 
-    h = pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((slots + ns * block_m, i_dim), x.dtype)]
+    if routing:  # the routing the up kernel publishes
+        out_shape += [jax.ShapeDtypeStruct((1, top_k), F32), jax.ShapeDtypeStruct((1, top_k), jnp.int32)]
+    h, *routed = pallas_call(
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
-                          limit=float(limit), shared_limit=float(shared_limit)),
-        out_shape=jax.ShapeDtypeStruct((slots + ns * block_m, i_dim), x.dtype),
+                          limit=float(limit), shared_limit=float(shared_limit), routing=routing),
+        out_shape=out_shape,
         grid=(nb + ns, i_dim // bn_up),
-        compiler_params=params(warps_up, stages_up, up_stage),
+        compiler_params=params(tiles["warps_up"], tiles["stages_up"], up_stage),
         interpret=interpret,
-        name="moe_up_swiglu",
-    )(ids, blk, x, w_gate, w_up, *(() if shared is None else shared[:2]))
+        name="moe_up_select" if routing else "moe_up_swiglu",
+    )(*plan, x, w_gate, w_up, *(() if shared is None else shared[:2]))
 
-    down_args = (ids, blk, weights.reshape(-1).astype(F32), h, w_down) + (() if shared is None else shared[2:])
+    if routing:
+        plan, weights = (_single_token_slots(top_k, block_m), routed[1].reshape(-1)), routed[0].reshape(-1)
+    down_args = (*plan, weights, h, w_down) + (() if shared is None else shared[2:])
     aliases = {}
     if y_init is not None:
         down_args, aliases = down_args + (y_init,), {len(down_args): 0}
@@ -209,7 +286,7 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
         out_shape=jax.ShapeDtypeStruct((out_rows, d), F32),
         grid=(nb + ns, d // bn_down),
         input_output_aliases=aliases,
-        compiler_params=params(warps_down, stages_down, down_stage),
+        compiler_params=params(tiles["warps_down"], tiles["stages_down"], down_stage),
         interpret=interpret,
         name="moe_down_combine",
     )(*down_args)
