@@ -4,11 +4,12 @@ In one process: (1) correctness of the Pallas router, align and experts against 
 bandwidth every byte floor below uses, the fastest of a read probe (twice) and two copies; (3) the router variants
 (ROUTERS) alone and router + the align launch the expert kernels need at T > 1, at T in {1, 6, 16}, each checked
 against the reference; (4) whole MoE layers: plain XLA (ops.moe route + experts_gathered + mlp), the previous
-Pallas path (LEGACY bf16 router, shared expert fused into the expert kernels) and the model's path (the f32 router
-with default options, as lingjax.model.MoE calls it; fused_experts makes its own align plan, shared fused), the
+Pallas path (LEGACY bf16 router, shared expert fused into the expert kernels), the two-launch router (the f32 router
+with default options) + fused_experts (which makes its own align plan, shared fused), the model's path (routed_experts
+as lingjax.model.MoE calls it: at T = 1 the up kernel routes the token, above T = 1 the two-launch path), the
 model path again with its loop compiled as the step programs are (lingjax.runtime.step_compiler_options: command
 buffers around the loop, programmatic dependent launch), and with those options but PDL off, and the
-model path's kernels one by one (profiled); (5) fused_experts' tiles in the model-path layer: the up and down
+model path's kernels one by one (profiled); (5) fused_experts' tiles in the two-launch layer: the up and down
 kernels' profiled times per tile pair at T in {1, 4, 6}, at I = 768 and at a TP2 device's I = 384, and each pair's
 rows checked bit-equal to the default's (row invariance).
 
@@ -35,7 +36,7 @@ import numpy as np
 from lingjax import profiling, target
 from lingjax.ops import moe as moe_ops
 from lingjax.pallas.moe_align import BLOCK_M, align_reference, moe_align
-from lingjax.pallas.moe_experts import fused_experts
+from lingjax.pallas.moe_experts import fused_experts, routed_experts
 from lingjax.pallas.moe_router import LEGACY, route
 from lingjax.runtime import step_compiler_options
 from measure import median_seconds, read_bandwidth, rel  # bench/measure.py, beside this script
@@ -92,6 +93,14 @@ def pallas_layer(x, p, cfg, router, precision="f32", tiles=None, interpret=None,
     weights, experts = route(x, p["router"], p["bias"], precision=precision, interpret=interpret, **cfg, **router)
     y = fused_experts(x, p["wg"], p["wu"], p["wd"], weights, experts, LIMIT, shared=(p["sg"], p["su"], p["sd"]),
                       shared_limit=SHARED_LIMIT, interpret=interpret, **(tiles or {}))
+    return y.astype(dtype or x.dtype)
+
+
+def model_layer(x, p, cfg, dtype=None):
+    """The layer as lingjax.model.MoE runs it: routed_experts (at T = 1 the up kernel routes the token, no
+    select launch; above, the default router then fused_experts), the shared expert fused."""
+    y = routed_experts(x, p["router"], p["bias"], p["wg"], p["wu"], p["wd"], LIMIT, **cfg,
+                       shared=(p["sg"], p["su"], p["sd"]), shared_limit=SHARED_LIMIT)
     return y.astype(dtype or x.dtype)
 
 
@@ -158,11 +167,14 @@ def main():
         got = fused_experts(x, flash["wg"], flash["wu"], flash["wd"], rw, re, LIMIT)
         fused = fused_experts(x, flash["wg"], flash["wu"], flash["wd"], rw, re, LIMIT,
                               shared=(flash["sg"], flash["su"], flash["sd"]), shared_limit=SHARED_LIMIT)
+        routed = model_layer(x, flash, cfg, dtype=F32)
+        two = pallas_layer(x, flash, cfg, {}, dtype=F32)
         agree = float(np.mean([len(set(a) & set(b)) / len(a) for a, b in zip(np.asarray(be_), np.asarray(re))]))
-        ok = bool((ge == re).all()) and rel(got, ew) < 1e-2 and rel(fused, ew + sh) < 1e-2
+        same = bool((np.asarray(routed) == np.asarray(two)).all())
+        ok = bool((ge == re).all()) and rel(got, ew) < 1e-2 and rel(fused, ew + sh) < 1e-2 and same
         say(f"bf16 Flash T={t}: f32 router ids equal {bool((ge == re).all())} (weights {rel(gw, rw):.1e}), bf16 "
-            f"router id-set agreement {agree:.3f}, experts {rel(got, ew):.1e}, +shared fused {rel(fused, ew + sh):.1e} "
-            f"{'PASS' if ok else 'FAIL'}")
+            f"router id-set agreement {agree:.3f}, experts {rel(got, ew):.1e}, +shared fused {rel(fused, ew + sh):.1e}, "
+            f"routed_experts bit-equal to route + fused_experts {same} {'PASS' if ok else 'FAIL'}")
         fails += [] if ok else [f"flash T={t}"]
     for name, ex in [("random", jax.random.randint(jax.random.key(7), (8, 8), 0, e, jnp.int32)),
                      ("one expert", jnp.full((8, 8), 5, jnp.int32)), ("NP=1", jnp.array([[3]], jnp.int32))]:
@@ -230,18 +242,20 @@ def main():
 
     # (4) whole layers
     say("\n## whole MoE layer (router + routed + shared), per layer, cold weights over %d layers" % n_layers)
-    say("previous: LEGACY router in bf16 + shared fused; model path: the f32 router with default options (as the "
-        "model calls it) + shared fused; both: fused_experts makes its own align plan (a launch at T > 1)")
+    say("previous: LEGACY router in bf16 + shared fused; two launches: the f32 router (route, default options) + "
+        "fused_experts, shared fused; model path: routed_experts as the model calls it (at T = 1 the up kernel routes "
+        "the token, no select launch; above T = 1 the same as two launches); fused_experts makes its own align plan "
+        "(a launch at T > 1)")
     say("step options: the model path's loop compiled with lingjax.runtime.step_compiler_options (the step "
         "programs' command buffers and programmatic dependent launch); PDL off: the same with xla_gpu_enable_pdl=false")
     say("| T | distinct experts | floor µs | XLA gather µs (x floor) | Pallas previous µs (x floor) | "
-        "Pallas model path µs (x floor) | speed-up vs previous | step options µs (x floor) | step options, PDL off µs "
-        "(x floor) |")
-    say("|---|---|---|---|---|---|---|---|---|")
+        "Pallas two launches µs (x floor) | Pallas model path µs (x floor) | speed-up vs previous | step options µs "
+        "(x floor) | step options, PDL off µs (x floor) |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
     step_opts = [step_compiler_options(), step_compiler_options(xla_options=(("xla_gpu_enable_pdl", False),))]
     if target.platform() != "gpu":  # the smoke run: no GPU options to apply
         step_opts = [None, None]
-    model_path = lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"])  # as lingjax.model.MoE calls it
+    model_path = lambda x, p: model_layer(x, p, cfg)
     breakdown = {}
     for t in ts:
         xs = [jax.random.normal(jax.random.key(400 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
@@ -251,11 +265,12 @@ def main():
         res = []
         for fn, opts in ((lambda x, p: xla_layer(x, p, cfg), None),
                          (lambda x, p: pallas_layer(x, p, cfg, ROUTERS["legacy"], precision="bf16"), None),
+                         (lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"]), None),
                          (model_path, None), (model_path, step_opts[0]), (model_path, step_opts[1])):
             res.append(median_seconds(loop_over_layers(fn, n_iter, opts), layers, xs, reps=reps) / (n_iter * n_layers))
         cell = lambda sec: f"{sec * 1e6:.1f} ({sec / floor:.2f}x)"
         say(f"| {t} | {dist:.1f} | {floor * 1e6:.1f} | {cell(res[0])} | {cell(res[1])} | {cell(res[2])} | "
-            f"{res[1] / res[2]:.2f}x | {cell(res[3])} | {cell(res[4])} |")
+            f"{cell(res[3])} | {res[1] / res[3]:.2f}x | {cell(res[4])} | {cell(res[5])} |")
         breakdown[t] = kernel_us(loop_over_layers(model_path, max(1, n_iter // 4)), layers, xs)
     say("\nmodel path, kernel by kernel (profiled medians, µs; one launch each per layer):")
     for t, us in breakdown.items():
