@@ -173,8 +173,8 @@ def main():
         same = bool((np.asarray(routed) == np.asarray(two)).all())
         ok = bool((ge == re).all()) and rel(got, ew) < 1e-2 and rel(fused, ew + sh) < 1e-2 and same
         say(f"bf16 Flash T={t}: f32 router ids equal {bool((ge == re).all())} (weights {rel(gw, rw):.1e}), bf16 "
-            f"router id-set agreement {agree:.3f}, experts {rel(got, ew):.1e}, +shared fused {rel(fused, ew + sh):.1e}, "
-            f"routed_experts bit-equal to route + fused_experts {same} {'PASS' if ok else 'FAIL'}")
+            f"router id-set agreement {agree:.3f}, experts {rel(got, ew):.1e}, +shared fused "
+            f"{rel(fused, ew + sh):.1e}, routed_experts bit-equal to route + fused_experts {same} {'PASS' if ok else 'FAIL'}")
         fails += [] if ok else [f"flash T={t}"]
     for name, ex in [("random", jax.random.randint(jax.random.key(7), (8, 8), 0, e, jnp.int32)),
                      ("one expert", jnp.full((8, 8), 5, jnp.int32)), ("NP=1", jnp.array([[3]], jnp.int32))]:

@@ -217,8 +217,9 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
     At T = 1 routing costs no launch of its own: after the router's GEMV launch (partial logits), every
     program of the up kernel that reads a routed expert sums the partials and selects the token's experts
     itself (lingjax.pallas.moe_router.token_routing, the select kernel's own code, so the same bits), takes
-    the b-th, and program (0, 0) hands the routing to the down kernel. On the H200 a Flash layer took 41.9
-    µs this way against 44.3 with the select launch (bench/results/moe_h200_2026-12-01_run3.md). Above
+    the b-th, and program (0, 0) hands the routing to the down kernel. On the H200 a Flash layer took 42.3
+    µs this way against 43.5 with the select launch, measured interleaved in one process
+    (bench/results/moe_h200_2026-12-01_run3.md). Above
     T = 1, or with select_in_up=False (an A/B in the step: step_bench --kernel-option): the two router
     launches (lingjax.pallas.moe_router.route), then fused_experts.
     """

@@ -7,9 +7,10 @@ Two launches, both tiny:
   2. Selection, one token per program of 4 warps (select="vector", the default; `token_routing`): sum the
      K-split partials, sigmoid, add the bias for selection only, top-2 sum per group, keep the top `topk_group`
      groups, top-k experts, weights from the raw scores, renormalise, scale. At T = 1 the model runs no select
-     launch: lingjax.pallas.moe_experts.routed_experts calls `token_routing` inside its up kernel. Building the experts' align plan in this kernel too
-     (one program over all tokens) was tried and measured slower than router + a separate align launch
-     (T = 6 on the H200: 37.1 vs 27.7 µs, bench/results/moe_h200_2026-11-29_run3.md).
+     launch: lingjax.pallas.moe_experts.routed_experts calls `token_routing` inside its up kernel. Building
+     the experts' align plan in this kernel too (one program over all tokens) was tried and measured slower
+     than router + a separate align launch (T = 6 on the H200: 37.1 vs 27.7 µs,
+     bench/results/moe_h200_2026-11-29_run3.md).
      select="serial" is the first version (one program per token, ~28 full-width argmax passes, each a
      cross-warp reduction), kept for the bench's comparison (LEGACY).
 Ties resolve to the lower index at every stage, as `jax.lax.top_k` does, and experts come out in the
@@ -117,7 +118,7 @@ def select_token(logits, bias, *, n_group, topk_group, top_k, scaling, renormali
     int32), as lingjax.ops.moe.route. Each reduction sits on the critical path of a select program, so there
     are few, and all groups share them: the two largest of every group in one [1, G, E/G] pass (argmax, then
     the max of the rest), the kept groups by rank (one [1, G, G] count, no reduction over E), k argmax passes
-    over the kept experts, then the k raw scores in one [k, E] pass (a score per argmax pass measured ~0.9 µs
+    over the kept experts, then the k raw scores in one [k, E] pass (a score per argmax pass measured ~1 µs
     slower on the H200, bench/results/moe_h200_2026-12-01_run3.md). lax.argmax breaks ties to the lower
     index, as lax.top_k."""
     n_exp = logits.shape[1]
