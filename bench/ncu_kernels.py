@@ -14,8 +14,9 @@ lists, run one configuration after another, each named in the --groups file for 
          defaults (or --block-v / --warps)
   fla    fla's fused_recurrent_kda at --t rows (PyTorch; --forms plain,in: "in" does l2norm, the gate and
          beta's sigmoid in its kernel, the form closest to ours), kda_bench's fla inputs
-  moe    one Flash MoE layer as lingjax.model runs it at --t rows (router GEMV and select, the align at T > 1,
-         up with the shared expert, down, XLA's k-sum), moe_bench's layer
+  moe    one Flash MoE layer as lingjax.model runs it at --t rows (router GEMV; at T = 1 the up kernel routes
+         the token, above it the select launch and the align; up with the shared expert, down, XLA's k-sum),
+         moe_bench's layer
 
 Why: in-graph timing (kda_bench, moe_bench) says how long a kernel takes; the kernels still far from their
 floor at T = 1 (#4's chain, #5's MoE) are latency chains, and ncu's warp-state sampling and memory
@@ -79,7 +80,7 @@ def run_moe(ts, launches: int, group):
 
     dims = moe_bench.FLASH_DIMS
     layer = moe_bench.make_layer(jax.random.key(0), **dims)
-    fn = jax.jit(lambda x, p: moe_bench.pallas_layer(x, p, moe_bench.ROUTING, {}))
+    fn = jax.jit(lambda x, p: moe_bench.model_layer(x, p, moe_bench.ROUTING))
     for t in ts:
         x = jax.random.normal(jax.random.key(1), (t, dims["d"]), jnp.float32).astype(jnp.bfloat16)
         group(f"moe T={t}", launches + 1)
