@@ -266,7 +266,9 @@ class MoE(nnx.Module):
             extra = dict(shared=(shared.gate_proj[...], shared.up_proj[...], shared.down_proj[...]),
                          shared_limit=shared.limit) if fuse else {}
             shared = None if fuse else shared
-            if t == 1:  # decode: the up kernel routes the token itself, no select launch
+            # decode: the up kernel routes the token itself, no select launch; unless an A/B puts the router
+            # or the experts on their XLA reference (Exec.xla_ops), which then serves decode too
+            if t == 1 and not {"moe_route", "moe_experts"} & set(paths.ex.xla_ops):
                 with jax.named_scope("moe_experts"):
                     y = paths.op("moe_routed_experts")(x, self.router[...], self.router_bias[...], *w, self.limit,
                                                        tokens=1, **self.routing(cfg, paths), **extra)

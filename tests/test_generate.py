@@ -9,6 +9,7 @@ import lingjax
 from conftest import rel_err
 from lingjax import cli
 from lingjax import engine as engine
+from lingjax.model import SMALL_T
 
 
 @functools.cache
@@ -157,7 +158,14 @@ def test_xla_ops_override_one_kernel():
     assert mixed.ex.op("moe_route") is moe.route
     assert mixed.ex.op("moe_experts") is kernels.get("moe_experts", "pallas")
     prompt = _prompt(20, 3)
-    assert rel_err(mixed.incremental_logits(prompt, 18), base.incremental_logits(prompt, 18)) < 1e-4
+    want = base.incremental_logits(prompt, 18)
+    calls = []
+    real_route = moe.route
+    with pytest.MonkeyPatch.context() as mp:  # decode (T = 1) routes on the reference too, not in the up kernel
+        mp.setitem(kernels.OPS, "moe_route", (lambda x, *a, **kw: calls.append(x.shape[0]) or real_route(x, *a, **kw),
+                                              kernels.OPS["moe_route"][1]))
+        assert rel_err(mixed.incremental_logits(prompt, 18), want) < 1e-4
+    assert SMALL_T in calls  # a T = 1 decode's padded rows, besides the 18-token extend
     with pytest.raises(ValueError, match="unknown ops.*moe_route"):
         lingjax.Model(base.module, kernels="pallas", source="test", xla_ops=("moe_rout",))
 
