@@ -22,6 +22,10 @@ class Exec:
     # option inside the whole step (bench/step_bench.py --kernel-option), e.g. the chain kernel's block_v
     kernel_options: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
 
+    def runs_pallas(self, name: str) -> bool:
+        """Whether op `name` runs its Pallas implementation (whose extra options the caller may then pass)."""
+        return self.kernels == "pallas" and name not in self.xla_ops
+
     def op(self, name: str):
         which = "xla" if name in self.xla_ops else self.kernels
         impl = kernels.get(name, which)

@@ -259,16 +259,16 @@ class MoE(nnx.Module):
         t = paths.tokens
         w = (self.w_gate[...], self.w_up[...], self.w_down[...])
         shared = self.shared
-        if paths.ex.kernels == "pallas":
+        if paths.ex.runs_pallas("moe_experts"):
             # the Pallas kernels read the real rows in place (no slicing launches) and run the shared
             # expert, when its width matches, as extra blocks of the same launches
             fuse = shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]
             extra = dict(shared=(shared.gate_proj[...], shared.up_proj[...], shared.down_proj[...]),
                          shared_limit=shared.limit) if fuse else {}
             shared = None if fuse else shared
-            # decode: the up kernel routes the token itself, no select launch; unless an A/B puts the router
-            # or the experts on their XLA reference (Exec.xla_ops), which then serves decode too
-            if t == 1 and not {"moe_route", "moe_experts"} & set(paths.ex.xla_ops):
+            # decode: the up kernel routes the token itself, no select launch (unless an A/B puts the
+            # router on its XLA reference, Exec.xla_ops, which then serves decode too)
+            if t == 1 and paths.ex.runs_pallas("moe_route"):
                 with jax.named_scope("moe_experts"):
                     y = paths.op("moe_routed_experts")(x, self.router[...], self.router_bias[...], *w, self.limit,
                                                        tokens=1, **self.routing(cfg, paths), **extra)

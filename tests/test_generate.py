@@ -166,6 +166,8 @@ def test_xla_ops_override_one_kernel():
                                               kernels.OPS["moe_route"][1]))
         assert rel_err(mixed.incremental_logits(prompt, 18), want) < 1e-4
     assert SMALL_T in calls  # a T = 1 decode's padded rows, besides the 18-token extend
+    experts_on_xla = lingjax.Model(base.module, kernels="pallas", source="test", xla_ops=("moe_experts",))
+    assert rel_err(experts_on_xla.incremental_logits(prompt, 18), want) < 1e-4  # no Pallas-only options reach it
     with pytest.raises(ValueError, match="unknown ops.*moe_route"):
         lingjax.Model(base.module, kernels="pallas", source="test", xla_ops=("moe_rout",))
 
