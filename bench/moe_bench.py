@@ -290,7 +290,7 @@ def main():
         say(f"T={t}: " + ", ".join(f"{name} {v:.2f}" for name, v in sorted(us.items(), key=lambda kv: -kv[1])))
 
     # (5) tile sweep: kernel times from a profile, at the full width and at a TP2 device's half
-    say("\n## fused_experts tiles: moe_up_swiglu / moe_down_combine kernel µs (profiled medians) in the model-path "
+    say("\n## fused_experts tiles: moe_up_swiglu / moe_down_combine kernel µs (profiled medians) in the two-launch "
         "layer; bits: every f32 output row bit-equal to the default tiles' at T = 6 (row invariance across tiles)")
     say("| I | T | up tiles | up µs | down tiles | down µs | bits |")
     say("|---|---|---|---|---|---|---|")
