@@ -236,6 +236,20 @@ def test_routed_experts_match_reference(rows, t, shared, ties):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(two_launches))
 
 
+def test_routing_arguments_checked_on_both_paths():
+    """route and routed_experts (whose T = 1 path skips route) reject a bad precision and a routing whose kept
+    groups hold fewer than top_k experts."""
+    d, e = 64, 16
+    x, router, bias = jnp.ones((1, d)), jnp.ones((e, d)), jnp.zeros((e,))
+    w = (jnp.ones((e, I, d)), jnp.ones((e, I, d)), jnp.ones((e, d, I)))
+    cfg = dict(n_group=4, topk_group=1, scaling=1.0, renormalize=True)  # 4 experts kept
+    for call in (lambda **kw: route(x, router, bias, **kw), lambda **kw: routed_experts(x, router, bias, *w, **kw)):
+        with pytest.raises(ValueError, match="kept groups"):
+            call(top_k=8, **cfg)
+        with pytest.raises(ValueError, match="precision"):
+            call(top_k=2, precision="f16", **cfg)
+
+
 @pytest.mark.parametrize("fixture", fixture_dirs(), ids=lambda p: p.name)
 def test_hf_parity_with_pallas_moe(fixture, monkeypatch):
     """float32 logits within 1e-4 × max|logit| of HF with the MoE kernels in interpret mode (the KDA

@@ -4,8 +4,8 @@ kda_chain (fused chain-verify/decode + commit), kda_prefill (chunked prefill), m
 attention at decode/verify widths, split-L from the bf16 cache), moe_router, moe_align (pair-axis align),
 moe_experts (grouped GEMMs with the SwiGLU epilogue; routed_experts: at T = 1 the up kernel also routes the
 token); and skinny_linear (projections at 16 rows), measured but not in the kernel set (its docstring says
-why). lingjax/kernels.py
-maps each onto the reference op it replaces; `lingjax.load(..., kernels="pallas")` selects them.
+why). lingjax/kernels.py maps each onto the reference op it replaces; `lingjax.load(..., kernels="pallas")`
+selects them.
 Every kernel is launched through `pallas_call` below, which starts it with griddepcontrol.wait
 (grid_dependency: the step programs run with programmatic dependent launch).
 """

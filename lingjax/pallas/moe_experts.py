@@ -31,7 +31,7 @@ from lingjax.pallas import dot_nt, pallas_call, pow2_tile, resolve_interpret
 
 from lingjax.ops.moe import experts_gathered  # the reference
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
-from lingjax.pallas.moe_router import partial_logits, route, token_routing
+from lingjax.pallas.moe_router import check_routing, partial_logits, route, token_routing
 
 F32 = jnp.float32
 # Shared memory a pipelined K loop may take on an H200 (232448 B per block), less room for the rest of
@@ -231,8 +231,7 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
         weights, experts = route(x, router_w, bias, precision=precision, **routing, interpret=interpret)
         return fused_experts(x, w_gate, w_up, w_down, weights, experts, limit, tokens=t, shared=shared,
                              shared_limit=shared_limit, interpret=interpret)
-    if topk_group * (router_w.shape[0] // n_group) < top_k:
-        raise ValueError(f"top_k={top_k} needs at least that many experts in the {topk_group} kept groups")
+    check_routing(router_w.shape[0], n_group=n_group, topk_group=topk_group, top_k=top_k)
     logits = partial_logits(x, router_w, precision=precision, tokens=1, interpret=interpret)
     return _expert_launches(x, w_gate, w_up, w_down, (logits, bias.astype(F32)), None, limit, t=1, nb=top_k,
                             top_k=top_k, block_m=BLOCK_M, tiles=TILES, shared=shared, shared_limit=shared_limit,

@@ -172,6 +172,12 @@ def _divisor(n: int, want: int) -> int:
     return next(d for d in range(min(want, n), 0, -1) if n % d == 0)
 
 
+def check_routing(n_exp: int, *, n_group: int, topk_group: int, top_k: int):
+    """Raises unless the kept groups hold at least top_k of the n_exp experts."""
+    if topk_group * (n_exp // n_group) < top_k:
+        raise ValueError(f"top_k={top_k} needs at least that many experts in the {topk_group} kept groups")
+
+
 # the GEMV launch's defaults (route's and partial_logits')
 GEMV = dict(be=16, bk=512, k_splits=5, bt=16, warps=4, stages=3, tensor_core_f32=True)
 
@@ -181,6 +187,8 @@ def partial_logits(x, router_w, *, precision="f32", tokens=None, be=GEMV["be"], 
                    tensor_core_f32=GEMV["tensor_core_f32"], interpret=None):
     """The gate GEMV's launch: partial logits [KS, T, E] f32 of x's first T = `tokens` rows (default all), read
     in place; their sum over KS is x · router_wᵀ."""
+    if precision not in ("f32", "bf16"):
+        raise ValueError(f"precision must be 'f32' or 'bf16', got {precision!r}")
     interpret = resolve_interpret(interpret)
     t = x.shape[0] if tokens is None else tokens
     d = x.shape[1]
@@ -217,15 +225,11 @@ def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize
     kernel took 4.9 µs at 4 warps, 5.0-5.2 at 2 and 5.5-5.6 at 1, at T = 1, 6 and 8
     (bench/results/moe_h200_2026-12-01.md).
     """
-    if precision not in ("f32", "bf16"):
-        raise ValueError(f"precision must be 'f32' or 'bf16', got {precision!r}")
     if select not in ("vector", "serial"):
         raise ValueError(f"select must be 'vector' or 'serial', got {select!r}")
     interpret = resolve_interpret(interpret)
     t = x.shape[0]
-    n_exp = router_w.shape[0]
-    if topk_group * (n_exp // n_group) < top_k:
-        raise ValueError(f"top_k={top_k} needs at least that many experts in the {topk_group} kept groups")
+    check_routing(router_w.shape[0], n_group=n_group, topk_group=topk_group, top_k=top_k)
     partial = partial_logits(x, router_w, precision=precision, tensor_core_f32=tensor_core_f32, be=be, bk=bk,
                              k_splits=k_splits, bt=bt, warps=warps, stages=stages, interpret=interpret)
     cfg = dict(n_group=n_group, topk_group=topk_group, top_k=top_k, scaling=float(scaling),
