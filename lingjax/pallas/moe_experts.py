@@ -31,7 +31,6 @@ from lingjax.pallas import dot_nt, pallas_call, pow2_tile, resolve_interpret
 
 from lingjax.ops.moe import experts_gathered  # the reference
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
-from lingjax.pallas.l2_prefetch import prefetch_share
 from lingjax.pallas.moe_router import check_routing, partial_logits, route, token_routing
 
 F32 = jnp.float32
@@ -55,7 +54,7 @@ def _swiglu(g, u, limit):
 
 
 def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
-               shared_limit, routing, prefetch=(), lanes=128, evict_last=False):
+               shared_limit, routing):
     # plan_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
     # x_ref [R ≥ T, D] (rows past T unread); wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
     # h_ref [S (+ shared blocks · BM), I] in x's dtype.
@@ -63,15 +62,10 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
     # block b's program selects the token's experts itself and takes the b-th, and program (0, 0) publishes
     # the routing, w_ref [1, k] f32 and e_ref [1, k] int32, for the down kernel.
     if routing:
-        *rest, h_ref, w_ref, e_ref = rest
+        *shared, h_ref, w_ref, e_ref = rest
     else:
-        *rest, h_ref = rest
-    flats = dict(zip(prefetch, _chunks(rest[len(rest) - sum(PREFETCH_REFS[p] for p in prefetch):],
-                                        [PREFETCH_REFS[p] for p in prefetch])))
-    shared = rest[:len(rest) - sum(PREFETCH_REFS[p] for p in prefetch)]
+        *shared, h_ref = rest
     b, n = pl.program_id(0), pl.program_id(1)
-    nn = wg_ref.shape[1] // bn
-    share = functools.partial(prefetch_share, lanes=lanes, evict_last=evict_last)
     npairs = tokens * top_k
     cols = pl.ds(n * bn, bn)
     slots = pl.ds(b * block_m, block_m)
@@ -89,15 +83,8 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
     if routing:
         @pl.when(b < nb)
         def _():
-            for ref in flats.get("shared", ()):  # HBM idles while the programs select
-                share(ref, 0, ref.shape[0], b * nn + n, nb * nn)
             wts, ids = token_routing(plan_ref, blk_ref, 0, **dict(routing))
             expert = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1) == b, ids, 0))
-            for ref in flats.get("own", ()):  # this program's gate and up rows, all in flight at once
-                share(ref, (expert * wg_ref.shape[1] + n * bn) * wg_ref.shape[2], bn * wg_ref.shape[2], 0, 1)
-            for ref in flats.get("down", ()):  # the down kernel's weights of this expert, a 1/nn share
-                slab = ref.shape[0] // wg_ref.shape[0]
-                share(ref, expert * slab, slab, n, nn)
             tok = jnp.zeros((block_m,), jnp.int32)
             block(tok, lambda ks: wg_ref[expert, cols, ks], lambda ks: wu_ref[expert, cols, ks], limit)
 
@@ -168,18 +155,6 @@ def _single_token_slots(top_k: int, block_m: int):
     return jnp.asarray(ids)
 
 
-# routed_experts' prefetch sets (lingjax.pallas.l2_prefetch) and the flat arrays each hands the up kernel
-PREFETCH_REFS = {"shared": 3, "own": 2, "down": 1}
-
-
-def _chunks(seq, sizes):
-    out, at = [], 0
-    for size in sizes:
-        out.append(tuple(seq[at:at + size]))
-        at += size
-    return out
-
-
 # Tiles: one set for every T (see fused_experts)
 TILES = dict(bn_up=64, bk_up=128, bn_down=64, bk_down=128, warps_up=4, warps_down=4, stages_up=5, stages_down=3)
 
@@ -231,11 +206,11 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
 @functools.partial(
     jax.jit,
     static_argnames=("limit", "top_k", "n_group", "topk_group", "scaling", "renormalize", "precision", "tokens",
-                     "shared_limit", "select_in_up", "prefetch", "interpret"),
+                     "shared_limit", "select_in_up", "interpret"),
 )
 def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k, n_group, topk_group, scaling,
                    renormalize, precision="f32", tokens=None, shared=None, shared_limit=0.0, select_in_up=True,
-                   prefetch=(), interpret=None):
+                   interpret=None):
     """The routed experts of x's first T = `tokens` rows (default all), routing included: as
     lingjax.ops.moe.routed_experts, [T, D] f32 (`shared`, `shared_limit` as in fused_experts).
 
@@ -257,23 +232,14 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
         return fused_experts(x, w_gate, w_up, w_down, weights, experts, limit, tokens=t, shared=shared,
                              shared_limit=shared_limit, interpret=interpret)
     check_routing(router_w.shape[0], n_group=n_group, topk_group=topk_group, top_k=top_k)
-    unknown = set(prefetch) - {"shared@gemv", "shared@up", "own", "down", "evict_last"}
-    if unknown or (shared is None and {"shared@gemv", "shared@up"} & set(prefetch)):
-        raise ValueError(f"prefetch={prefetch}: unknown {sorted(unknown)} or a shared set without shared weights")
-    evict_last = "evict_last" in prefetch
-    logits = partial_logits(x, router_w, precision=precision, tokens=1, interpret=interpret, evict_last=evict_last,
-                            prefetch=shared if "shared@gemv" in prefetch else ())
-    up_prefetch = {"shared": shared if "shared@up" in prefetch else None, "own": (w_gate, w_up),
-                   "down": (w_down,)}
-    up_prefetch = {k: v for k, v in up_prefetch.items() if (k in prefetch or f"{k}@up" in prefetch) and v}
+    logits = partial_logits(x, router_w, precision=precision, tokens=1, interpret=interpret)
     return _expert_launches(x, w_gate, w_up, w_down, (logits, bias.astype(F32)), None, limit, t=1, nb=top_k,
                             top_k=top_k, block_m=BLOCK_M, tiles=TILES, shared=shared, shared_limit=shared_limit,
-                            routing=tuple(routing.items()), interpret=interpret, y_init=None,
-                            up_prefetch=up_prefetch, evict_last=evict_last)
+                            routing=tuple(routing.items()), interpret=interpret, y_init=None)
 
 
 def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, top_k, block_m, tiles, shared,
-                     shared_limit, routing, interpret, y_init, up_prefetch=None, evict_last=False):
+                     shared_limit, routing, interpret, y_init):
     """The up and down launches and the k-sum. plan: (slot table, expert per block) with weights [NP] f32, or
     with `routing` (T = 1) the router's (partial logits, bias), weights None: the up kernel routes."""
     d = x.shape[1]
@@ -299,15 +265,13 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
         out_shape += [jax.ShapeDtypeStruct((1, top_k), F32), jax.ShapeDtypeStruct((1, top_k), jnp.int32)]
     h, *routed = pallas_call(
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
-                          limit=float(limit), shared_limit=float(shared_limit), routing=routing,
-                          prefetch=tuple(up_prefetch or ()), lanes=32 * tiles["warps_up"], evict_last=evict_last),
+                          limit=float(limit), shared_limit=float(shared_limit), routing=routing),
         out_shape=out_shape,
         grid=(nb + ns, i_dim // bn_up),
         compiler_params=params(tiles["warps_up"], tiles["stages_up"], up_stage),
         interpret=interpret,
         name="moe_up_select" if routing else "moe_up_swiglu",
-    )(*plan, x, w_gate, w_up, *(() if shared is None else shared[:2]),
-      *(a.reshape(-1) for arrays in (up_prefetch or {}).values() for a in arrays))
+    )(*plan, x, w_gate, w_up, *(() if shared is None else shared[:2]))
 
     if routing:
         plan, weights = (_single_token_slots(top_k, block_m), routed[1].reshape(-1)), routed[0].reshape(-1)

@@ -40,7 +40,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.pallas import dot_nt, pallas_call, resolve_interpret
-from lingjax.pallas.l2_prefetch import prefetch_share
 
 F32 = jnp.float32
 
@@ -49,10 +48,8 @@ F32 = jnp.float32
 LEGACY = dict(k_splits=1, bk=512, select="serial", select_warps=4, tensor_core_f32=False)
 
 
-def _gemv_kernel(x_ref, w_ref, *rest, t, bt, be, bk, k_per_split, dtype, lanes, evict_last):
-    # x_ref [R ≥ T, D] (rows past T unread); w_ref [E, D]; optional flat arrays to prefetch into L2 after the
-    # GEMV's own loads; p_ref [KS, T, E] f32 partial logits
-    *prefetch, p_ref = rest
+def _gemv_kernel(x_ref, w_ref, p_ref, *, t, bt, be, bk, k_per_split, dtype):
+    # x_ref [R ≥ T, D] (rows past T unread); w_ref [E, D]; p_ref [KS, T, E] f32 partial logits
     ei, si, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = jnp.minimum(ti * bt + jnp.arange(bt), t - 1)  # [BT] clamped: tail rows repeat the last token
     cols = pl.ds(ei * be, be)
@@ -65,10 +62,6 @@ def _gemv_kernel(x_ref, w_ref, *rest, t, bt, be, bk, k_per_split, dtype, lanes, 
 
     acc = jax.lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bt, be), F32))
     p_ref[si, rows, cols] = acc
-    grid = (w_ref.shape[0] // be, p_ref.shape[0], pl.cdiv(t, bt))
-    part = (ei * grid[1] + si) * grid[2] + ti
-    for ref in prefetch:  # HBM idles while the GEMV waits on latency: fill it with a later kernel's weights
-        prefetch_share(ref, 0, ref.shape[0], part, grid[0] * grid[1] * grid[2], lanes=lanes, evict_last=evict_last)
 
 
 def _argmax_untaken(v, taken, idx, n):
@@ -191,10 +184,9 @@ GEMV = dict(be=16, bk=512, k_splits=5, bt=16, warps=4, stages=3, tensor_core_f32
 
 def partial_logits(x, router_w, *, precision="f32", tokens=None, be=GEMV["be"], bk=GEMV["bk"],
                    k_splits=GEMV["k_splits"], bt=GEMV["bt"], warps=GEMV["warps"], stages=GEMV["stages"],
-                   tensor_core_f32=GEMV["tensor_core_f32"], prefetch=(), evict_last=False, interpret=None):
+                   tensor_core_f32=GEMV["tensor_core_f32"], interpret=None):
     """The gate GEMV's launch: partial logits [KS, T, E] f32 of x's first T = `tokens` rows (default all), read
-    in place; their sum over KS is x · router_wᵀ. `prefetch`: arrays a later kernel reads, pulled into L2 by
-    this launch's programs after their own loads (lingjax.pallas.l2_prefetch)."""
+    in place; their sum over KS is x · router_wᵀ."""
     if precision not in ("f32", "bf16"):
         raise ValueError(f"precision must be 'f32' or 'bf16', got {precision!r}")
     interpret = resolve_interpret(interpret)
@@ -208,14 +200,13 @@ def partial_logits(x, router_w, *, precision="f32", tokens=None, be=GEMV["be"], 
     exact_in_bf16 = tensor_core_f32 and x.dtype == router_w.dtype == jnp.bfloat16  # products exact in f32
     dtype = F32 if precision == "f32" and not exact_in_bf16 else jnp.bfloat16
     return pallas_call(
-        functools.partial(_gemv_kernel, t=t, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype,
-                          lanes=32 * warps, evict_last=evict_last),
+        functools.partial(_gemv_kernel, t=t, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype),
         out_shape=jax.ShapeDtypeStruct((k_splits, t, n_exp), F32),
         grid=(n_exp // be, k_splits, pl.cdiv(t, bt)),
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="moe_router_gemv",
-    )(x, router_w, *(a.reshape(-1) for a in prefetch))
+    )(x, router_w)
 
 
 @functools.partial(
