@@ -133,6 +133,19 @@ def test_router_every_token_same_experts(t):
     _check_route(same, jnp.zeros_like(w), jnp.zeros_like(b), FLASH_ROUTING)
 
 
+@pytest.mark.parametrize("top_k", [8, 1])
+def test_router_top_k_inside_one_group(top_k):
+    """The select code takes the top k from each kept group's k largest (moe_router.select_token): with one
+    group's bias far above the rest, every chosen expert comes from that group, the case that needs all k of
+    its heads; top_k = 1 still needs each group's two largest for the group scores."""
+    x, w, b = _router_inputs(6, 128, 512)
+    b = b.at[128:192].add(5.0)  # group 2 of 8
+    cfg = dict(FLASH_ROUTING, top_k=top_k)
+    _check_route(x, w, b, cfg)
+    _, experts = route(x, w, b, **cfg)
+    assert bool(((experts >= 128) & (experts < 192)).all())
+
+
 def test_router_f32_on_bf16_operands_is_exact():
     """precision="f32" with a bf16 x and weight runs on the tensor cores (exact products, f32 sums); on the
     IEEE path (tensor_core_f32=False) too, the routing equals the f32 reference on the same bf16 values."""

@@ -113,42 +113,60 @@ def _select_serial_kernel(p_ref, b_ref, w_ref, e_ref, *, n_group, topk_group, to
     e_ref[t, :] = ids
 
 
+def _group_heads(sel2, kk):
+    """Each group's kk ≥ 2 largest biased scores, in order, with their expert ids, and the top-2 sum per group:
+    sel2 [G, S] -> (values [G, kk], ids [G, kk] int32, top-2 sums [G]). kk argmax passes along the group
+    axis, every group in the same pass; lax.argmax breaks ties to the lower index, as lax.top_k."""
+    g, s = sel2.shape
+    j2 = jax.lax.broadcasted_iota(jnp.int32, (g, s), 1)
+    r2 = jax.lax.broadcasted_iota(jnp.int32, (g, kk), 1)
+    vals, ids = jnp.full((g, kk), -jnp.inf, F32), jnp.zeros((g, kk), jnp.int32)
+    work, firsts = sel2, []
+    for r in range(kk):
+        a = jax.lax.argmax(work, 1, jnp.int32)  # [G]
+        v = jnp.max(work, axis=1)  # the same pass's value
+        firsts.append(v)
+        vals = jnp.where(r2 == r, v[:, None], vals)
+        ids = jnp.where(r2 == r, a[:, None], ids)
+        work = jnp.where(j2 == a[:, None], -jnp.inf, work)
+    return vals, ids + jax.lax.broadcasted_iota(jnp.int32, (g, kk), 0) * s, firsts[0] + firsts[1]
+
+
 def select_token(logits, bias, *, n_group, topk_group, top_k, scaling, renormalize):
     """Routing of one token inside a kernel: logits [1, E] f32, bias [E] f32 -> (weights [1, k] f32, ids [1, k]
-    int32), as lingjax.ops.moe.route. Each reduction sits on the critical path of a select program, so there
-    are few, and all groups share them: the two largest of every group in one [1, G, E/G] pass (argmax, then
-    the max of the rest), the kept groups by rank (one [1, G, G] count, no reduction over E), k argmax passes
-    over the kept experts, then the k raw scores in one [k, E] pass (a score per argmax pass measured ~1 µs
-    slower on the H200, bench/results/moe_h200_2026-12-01_run3.md). lax.argmax breaks ties to the lower
-    index, as lax.top_k."""
+    int32), as lingjax.ops.moe.route, bit for bit.
+
+    A full-width reduction costs a select program ~0.2 µs on the H200 and sits on the critical path, so there
+    are few: every group's k largest come from k passes along the group axis (all groups at once, ~0.12 µs a
+    pass); their first two give the group scores, and the kept groups are ranked by one [G, G] count. The
+    token's top k are among the kept groups' heads (any expert that beats a top-k member is itself one), so
+    each head's rank among the G·k heads is one [G·k, G·k] count, exact for the top k; then the k ids and
+    their raw scores. In one program of 4 warps this took 1.76 µs against 2.77 for k argmax passes over the
+    kept experts (bench/results/moe_h200_2026-12-01_run4.md). Ties resolve to the lower index everywhere."""
     n_exp = logits.shape[1]
     gsize = n_exp // n_group
+    kk = min(max(top_k, 2), gsize)  # the group scores need two (the config keeps groups of at least 2)
+    nc = n_group * kk
     scores = 1.0 / (1.0 + jnp.exp(-logits))  # sigmoid, f32
     sel = scores + bias[None, :]  # bias steers selection only
-    sel3 = sel.reshape(1, n_group, gsize)
-    first = jax.lax.argmax(sel3, 2, jnp.int32)  # [1, G]
-    j3 = jax.lax.broadcasted_iota(jnp.int32, (1, n_group, gsize), 2)
-    second = jnp.max(jnp.where(j3 == first[:, :, None], -jnp.inf, sel3), axis=2)
-    gscore = jnp.max(sel3, axis=2) + second  # top-2 sum per group, [1, G], summed in lax.top_k's order
+    vals, ids, top2 = _group_heads(sel.reshape(n_group, gsize), kk)  # [G, kk]
+    gscore = top2.reshape(1, n_group)  # top-2 sum per group, summed in lax.top_k's order
     me, other = gscore[:, :, None], gscore[:, None, :]
     gi = jax.lax.broadcasted_iota(jnp.int32, (1, n_group, n_group), 1)
     go = jax.lax.broadcasted_iota(jnp.int32, (1, n_group, n_group), 2)
     beaten = (other > me) | ((other == me) & (go < gi))  # groups ranked ahead of this one
     keep = jnp.sum(jnp.where(beaten, 1, 0), axis=2) < topk_group  # [1, G]
-    masked = jnp.where(keep[:, :, None], sel3, -jnp.inf).reshape(1, n_exp)
-
-    eidx = jax.lax.broadcasted_iota(jnp.int32, (1, n_exp), 1)
-    kidx = jax.lax.broadcasted_iota(jnp.int32, (1, top_k), 1)
-    ids = jnp.zeros((1, top_k), jnp.int32)
-    for j in range(top_k):
-        i = jax.lax.argmax(masked, 1, jnp.int32)  # [1]
-        ids = jnp.where(kidx == j, i[:, None], ids)
-        masked = jnp.where(eidx == i[:, None], -jnp.inf, masked)
-    chosen = jax.lax.broadcasted_iota(jnp.int32, (top_k, n_exp), 1) == ids[0][:, None]  # [k, E]
-    wts = jnp.sum(jnp.where(chosen, scores[0][None, :], 0.0), axis=1)[None, :]  # raw scores, [1, k]
+    cv = jnp.where(keep.reshape(n_group, 1), vals, -jnp.inf).reshape(1, nc)  # heads of the kept groups
+    ci = ids.reshape(1, nc)
+    ahead = (cv > cv.reshape(nc, 1)) | ((cv == cv.reshape(nc, 1)) & (ci < ci.reshape(nc, 1)))  # [head, other]
+    rank = jnp.sum(jnp.where(ahead, 1, 0), axis=1).reshape(1, nc)
+    picked = jax.lax.broadcasted_iota(jnp.int32, (top_k, nc), 0) == rank  # [k, heads]
+    top = jnp.sum(jnp.where(picked, ci, 0), axis=1)  # [k] expert ids, best first
+    chosen = jax.lax.broadcasted_iota(jnp.int32, (top_k, n_exp), 1) == top.reshape(top_k, 1)  # [k, E]
+    wts = jnp.sum(jnp.where(chosen, scores, 0.0), axis=1).reshape(1, top_k)  # raw scores
     if renormalize:
         wts = wts / (jnp.sum(wts, axis=1)[:, None] + 1e-20)
-    return wts * scaling, ids
+    return wts * scaling, top.reshape(1, top_k)
 
 
 def token_routing(p_ref, b_ref, t, **cfg):
