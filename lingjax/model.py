@@ -19,8 +19,9 @@ Row invariance (what makes bf16 speculation lossless): a decode/verify-shaped fo
 runs every row-wise op (norms, projections, MLP, router, MLA attention, lm_head) on SMALL_T rows, the
 real T padded with zeros, so each GEMM has one shape whatever T is and row j rounds the same in a
 T=1 decode and in a verify. Only the ops that carry state between rows or read per-row weights take
-the real rows alone: the KDA recurrence and conv, the MLA cache write, the routed experts. The
-Pallas kernels for those read the real rows of the padded arrays in place (no slice or pad launches
+the real rows alone: the KDA recurrence and conv, the MLA cache write, the routed experts (whose k-slot
+sum is a fixed-order chain of adds: a reduce over [T, k, D] summed in a T-dependent order on the H200).
+The Pallas kernels for those read the real rows of the padded arrays in place (no slice or pad launches
 around them); the MTP drafter's forwards are not padded (paths_for's pad_small).
 """
 

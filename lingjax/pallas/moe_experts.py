@@ -7,7 +7,8 @@
   2. Up kernel, grid (block, I tile): rows gathered from x by token, gate and up tiles read from the two
      [E, I, D] arrays in the same K loop, h = act(g, u) in f32 and rounded once to x's dtype.
   3. Down kernel, grid (block, D tile): y = h · W_downᵀ in f32, times the pair's routing weight, stored
-     to the pair's own row; the k rows of a token are summed in f32 by one small XLA reduce.
+     to the pair's own row; the k rows of a token are summed in f32 in slot order, one small XLA fusion
+     (a reduce's order changed with T on the H200: a decode's row must equal its verify's).
 Each block holds one expert and, for T·k ≤ 64 at block_m ≥ T, a bucket never spans two blocks, so every
 touched expert's weights are read exactly once per call. Unused blocks (past the published total) exit
 at once. Padding rows point at a spare row NP of the pair buffer, so no store needs a mask.
@@ -290,7 +291,13 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
         interpret=interpret,
         name="moe_down_combine",
     )(*down_args)
-    out = y[:npairs].reshape(t, top_k, d).sum(axis=1)  # f32 sum over the k slots
+    # f32 sum over the k slots, in slot order as a chain of adds: on the H200 a reduce here summed in an order
+    # that changed with T, so a token's row differed between a decode and a verify (lingjax/model.py, row
+    # invariance; bench/results/moe_h200_2026-12-01_run4.md)
+    slots = y[:npairs].reshape(t, top_k, d)
+    out = slots[:, 0]
+    for j in range(1, top_k):
+        out = out + slots[:, j]
     return out + y[npairs + 1:] if ns else out
 
 
