@@ -1,9 +1,11 @@
 """Speculative decoding: lossless greedy output, acceptance rules, KDA staging/commit, the host loop."""
 
+import collections
 import dataclasses
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from lingjax.ops.kda import ring_slots, ring_window
 from lingjax.sampling import SamplingParams
 from lingjax.spec.accept import greedy_accept, target_only_accept
 from lingjax.spec.drafters import ReplayDrafter
+from lingjax.spec.step import SpecState
 
 
 @functools.cache
@@ -48,6 +51,47 @@ def test_nextn_greedy_equals_plain_greedy_256_tokens(steps):
 @functools.cache
 def _tiny_bf16():
     return lingjax.load("tiny", dtype="bfloat16", seed=3)
+
+
+_REDUCING = {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "dot_general", "cumsum"}
+
+
+def _layer_reductions(jaxpr, scope=""):
+    """(primitive, operand shapes, scope from the layer on) of every reduction or GEMM of the model's layers
+    outside the Pallas kernels (a kernel's arithmetic per row is its own test's business)."""
+    out = collections.Counter()
+    for eqn in jaxpr.eqns:
+        here = f"{scope}/{eqn.source_info.name_stack}"
+        if eqn.primitive.name == "pallas_call":
+            continue
+        if eqn.primitive.name in _REDUCING and "layer" in here and "draft" not in here:
+            shapes = tuple(tuple(v.aval.shape) for v in eqn.invars)
+            out[eqn.primitive.name, shapes, here[here.index("layer"):]] += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _layer_reductions(sub, here)
+    return out
+
+
+def test_decode_and_verify_reduce_alike():
+    """Row invariance needs every reduction and GEMM outside the Pallas kernels to see the same shapes in a T=1
+    decode as in a verify: XLA picks a summation order by shape, and on the H200 a reduce over [T, k, D]
+    (the experts' k-slot sum) summed a token's row differently at T = 1 and T = 4
+    (bench/results/moe_h200_2026-12-01_run4.md). The CPU sums alike either way, so this compares the
+    programs' shapes: the decode program's layers against the speculative round's verify (the MTP drafts
+    need no invariance). The Pallas set only: the plain-JAX references run the recurrence and the experts
+    on T-shaped einsums (lingjax/kernels.py: the Pallas set is the one measured lossless in bf16 on the GPU)."""
+    model = lingjax.load("tiny", dtype="bfloat16", seed=3, kernels="pallas")
+    cache = jax.eval_shape(lambda: model.new_cache(64))
+    i32, key = jax.ShapeDtypeStruct((), jnp.int32), jax.eval_shape(lambda: jax.random.key(0))
+    _, decode = model.step_programs(SamplingParams(), 1)
+    drafter = engine._make_drafter(model, "nextn", 3)
+    state = SpecState(cache=cache, draft=jax.eval_shape(lambda: drafter.init(model.module, 64)), s=i32, bonus=i32,
+                      round=i32, key=key)
+    spec_round = model.spec_program(drafter, SamplingParams(), 1).round
+    in_decode = _layer_reductions(jax.make_jaxpr(decode)(model.weights, cache, i32, i32, key).jaxpr)
+    in_round = _layer_reductions(jax.make_jaxpr(spec_round)(model.weights, state).jaxpr)
+    assert in_decode, "no layer reductions found: the scope names changed?"
+    assert in_decode == in_round, (in_decode - in_round, in_round - in_decode)
 
 
 @pytest.mark.parametrize("steps", [3, 5])
