@@ -50,9 +50,9 @@ FLASH_DIMS = dict(d=2560, i=768, e=512)  # hidden, expert intermediate, experts
 ROUTING = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)  # Flash's noaux_tc routing
 ROUTERS = {  # name -> route() options; "legacy" is the first version, the rest the vector select kernel
     "legacy": dict(LEGACY),
-    "default": {},  # K split 5, be 16, 4 select warps per token
+    "default": {},  # K split 10 of 256, be 16, 4 select warps per token
     "ks=2 bk=256": dict(k_splits=2, bk=256),
-    "ks=10 bk=256": dict(k_splits=10, bk=256),
+    "ks=5 bk=512": dict(k_splits=5, bk=512),  # the default before 2026-12-01's run4
     "be=32": dict(be=32),
     "select 1 warp": dict(select_warps=1),
     "select 2 warps": dict(select_warps=2),

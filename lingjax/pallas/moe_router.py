@@ -2,8 +2,9 @@
 
 Two launches, both tiny:
   1. Gate GEMV, grid (E tile, K split, token block): partial logits [KS, T, E] f32. Reading the 2.6 MB
-     router weight at full bandwidth needs many CTAs in flight at once: the default K split of 5 gives
-     32 × 5 = 160 programs of one 16 KB tile each (k_splits=1 gave 32 programs streaming 80 KB).
+     router weight at full bandwidth needs many CTAs in flight at once: the default K split of 10 gives
+     32 × 10 = 320 programs of one 8 KB tile each (k_splits=1 gave 32 programs streaming 80 KB; 5 splits
+     of 16 KB were ~0.3 µs slower at T = 1, 6 and 16, bench/results/moe_h200_2026-12-01_run4.md).
   2. Selection, one token per program of 4 warps (select="vector", the default; `token_routing`): sum the
      K-split partials, sigmoid, add the bias for selection only, top-2 sum per group, keep the top `topk_group`
      groups, top-k experts, weights from the raw scores, renormalise, scale. At T = 1 the model runs no select
@@ -197,7 +198,7 @@ def check_routing(n_exp: int, *, n_group: int, topk_group: int, top_k: int):
 
 
 # the GEMV launch's defaults (route's and partial_logits')
-GEMV = dict(be=16, bk=512, k_splits=5, bt=16, warps=4, stages=3, tensor_core_f32=True)
+GEMV = dict(be=16, bk=256, k_splits=10, bt=16, warps=4, stages=3, tensor_core_f32=True)
 
 
 def partial_logits(x, router_w, *, precision="f32", tokens=None, be=GEMV["be"], bk=GEMV["bk"],
