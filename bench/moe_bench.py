@@ -212,10 +212,10 @@ def main():
     say("| T | variant | router µs | router + align launch µs | ids equal |")
     say("|---|---|---|---|---|")
     glue = loop_over_layers(lambda x, p: x, n_iter * 4)
-    best_router = {}
+    best_router, glue_per_t = {}, {}
     for t in ts_all:
         xs = [jax.random.normal(jax.random.key(600 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
-        glue_s = median_seconds(glue, layers, xs, reps=reps) / (4 * n_iter * n_layers)
+        glue_s = glue_per_t[t] = median_seconds(glue, layers, xs, reps=reps) / (4 * n_iter * n_layers)
         with jax.default_matmul_precision("highest"):
             want = moe_ops.route(xs[0], layers[0]["router"], layers[0]["bias"], **cfg)[1]
         for name, router in [(n, r) for n, r in ROUTERS.items()] + [("legacy bf16", dict(ROUTERS["legacy"]))]:
@@ -248,8 +248,8 @@ def main():
         "fused_experts, shared fused; model path: routed_experts as the model calls it (at T = 1 the up kernel routes "
         "the token, no select launch; above T = 1 the same as two launches); fused_experts makes its own align plan "
         "(a launch at T > 1)")
-    say("the loop's glue: the 1e-30 input update of each layer (one small fusion, not in the model), timed alone "
-        "at the same T and subtracted, as in the router rows")
+    say("the loop's glue: the 1e-30 input update of each layer (one small fusion, not in the model), the router "
+        "rows' figure at the same T, subtracted")
     say("step options: the model path's loop compiled with lingjax.runtime.step_compiler_options (the step "
         "programs' command buffers and programmatic dependent launch); PDL off: the same with xla_gpu_enable_pdl=false")
     say("| T | distinct experts | floor µs | XLA gather µs (x floor) | Pallas previous µs (x floor) | "
@@ -265,14 +265,13 @@ def main():
         xs = [jax.random.normal(jax.random.key(400 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
         dist = np.mean([len(np.unique(np.asarray(moe_ops.route(x, p["router"], p["bias"], **cfg)[1])))
                         for x, p in zip(xs, layers)])
-        glue_s = median_seconds(loop_over_layers(lambda x, p: x, n_iter), layers, xs, reps=reps) / (n_iter * n_layers)
         res = []
         for fn, opts in ((lambda x, p: xla_layer(x, p, cfg), None),
                          (lambda x, p: pallas_layer(x, p, cfg, ROUTERS["legacy"], precision="bf16"), None),
                          (lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"]), None),
                          (model_path, None), (model_path, step_opts[0]), (model_path, step_opts[1])):
             res.append(median_seconds(loop_over_layers(fn, n_iter, opts), layers, xs, reps=reps) / (n_iter * n_layers))
-        rows.append((t, dist, (dist + 1) * expert_b + router_b, glue_s, res))
+        rows.append((t, dist, (dist + 1) * expert_b + router_b, glue_per_t[t], res))
         breakdown[t] = kernel_us(loop_over_layers(model_path, max(1, n_iter // 4)), layers, xs)
     # a floor the layers beat is no floor: the probes above have read slower than the T = 16 layer streams
     # (bench/results/moe_h200_2026-12-01_run3.md), so the layers' own best rate joins them
@@ -315,8 +314,6 @@ def main():
                     f"{us.get('moe_down_combine', float('nan')):.2f} | {'equal' if same else 'DIFFER'} |")
                 fails += [] if same else [f"tile bits I={i_dim} T={t} {up} {down}"]
 
-    glue = loop_over_layers(lambda x, p: x, n_iter)
-    say(f"\nloop glue alone (the 1e-30 input update per layer): {median_seconds(glue, layers, xs, reps=reps) / (n_iter * n_layers) * 1e6:.1f} us")
     say(f"\ncorrectness failures: {fails or 'none'}")
 
 

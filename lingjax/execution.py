@@ -27,7 +27,7 @@ class Exec:
         return self.kernels == "pallas" and name not in self.xla_ops
 
     def op(self, name: str):
-        which = "xla" if name in self.xla_ops else self.kernels
+        which = "pallas" if self.runs_pallas(name) else "xla"
         impl = kernels.get(name, which)
         options = dict(self.kernel_options).get(name) if which == "pallas" else None
         return functools.partial(impl, **dict(options)) if options else impl
