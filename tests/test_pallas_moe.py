@@ -224,14 +224,14 @@ def test_fused_experts_read_the_real_rows_in_place(t, dtype):
 
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("rows,t", [(1, 1), (16, 1), (16, 6)])
-def test_routed_experts_match_reference(rows, t, shared, ties):
+@pytest.mark.parametrize("rows,t,d", [(1, 1, 64), (16, 1, 64), (16, 1, 128), (16, 6, 64)])
+def test_routed_experts_match_reference(rows, t, d, shared, ties):
     """routed_experts (at T = 1 the up kernel routes the token itself) equals the reference route +
     experts_gathered (+ shared) on x's first T rows, and bit for bit the Pallas route + fused_experts (the
     same selection code and expert kernels: a decode's row equals a verify's). The padded rows hold other
-    tokens, so routing the wrong row shows; with ties, experts 2i and 2i+1 share router row and bias but
-    not weights, so a tie broken to the higher index shows."""
-    d, e = 64, 64
+    tokens, so routing (or, at d = 128, broadcasting) the wrong row shows; with ties, experts 2i and 2i+1
+    share router row and bias but not weights, so a tie broken to the higher index shows."""
+    e = 64
     ks = jax.random.split(key_for("routed", rows, t, shared, ties), 8)
     normal = lambda kk, shape, fan_in: jax.random.normal(kk, shape) * fan_in**-0.5
     router, bias = normal(ks[0], (e, d), d), 0.1 * jax.random.normal(ks[1], (e,))
@@ -313,18 +313,45 @@ def test_kernel_options_reach_the_kernel(monkeypatch):
         lingjax.Model(base.module, kernels="pallas", kernel_options=(("no_such_op", (("x", 1),)),))
 
 
+def test_single_token_up_reads_x_row_once(monkeypatch):
+    """At T = 1 the up kernel reads x's one row and broadcasts it when a K step's row spans X_ROW_MIN_BYTES
+    (f32 at K step 128 here), else gathers 16 copies of it: the same bits either way, equal to the reference,
+    with other tokens in the padded rows (a broadcast of the wrong row shows)."""
+    from lingjax.pallas import moe_experts
+
+    assert 128 * 4 >= moe_experts.X_ROW_MIN_BYTES  # the first call broadcasts
+    k, d = 4, 128
+    ks = jax.random.split(key_for("x row"), 9)
+    normal = lambda kk, shape, fan_in: jax.random.normal(kk, shape) * fan_in**-0.5
+    x = jax.random.normal(ks[0], (16, d))
+    wg, wu, wd = normal(ks[1], (E, I, d), d), normal(ks[2], (E, I, d), d), normal(ks[3], (E, d, I), I)
+    shared = (normal(ks[4], (I, d), d), normal(ks[5], (I, d), d), normal(ks[6], (d, I), I))
+    weights = jax.random.uniform(ks[7], (16, k), minval=0.1, maxval=1.0)
+    experts = _distinct_experts(ks[8], 16, k, E)
+    kw = dict(tokens=1, shared=shared, shared_limit=0.7)
+    row = fused_experts(x, wg, wu, wd, weights, experts, 0.5, bk_up=128, **kw)
+    monkeypatch.setattr(moe_experts, "X_ROW_MIN_BYTES", 1 << 30)  # the second gathers
+    jax.clear_caches()
+    gathered = fused_experts(x, wg, wu, wd, weights, experts, 0.5, bk_up=128, **kw)
+    jax.clear_caches()
+    np.testing.assert_array_equal(np.asarray(row), np.asarray(gathered))
+    want = moe.experts_gathered(x[:1], wg, wu, wd, weights[:1], experts[:1], 0.5) + moe.mlp(x[:1], *shared, 0.7)
+    assert rel_err(row, want) <= 1e-5
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_expert_pipelines_fit_shared_memory(dtype):
     """The default tiles' pipelines stay inside the shared-memory budget for bf16 and f32 operands (f32 at
     5 stages asked an H200 for 288 KB of its 227): Triton holds num_stages - 1 K steps of both operands."""
     import inspect
 
-    from lingjax.pallas.moe_experts import BLOCK_M, SHARED_MEMORY_BUDGET, _stages_within
+    from lingjax.pallas.moe_experts import BLOCK_M, SHARED_MEMORY_BUDGET, TILES_ONE_TOKEN, _stages_within
 
-    tile = {k: v.default for k, v in inspect.signature(fused_experts).parameters.items()}
+    defaults = {k: v.default for k, v in inspect.signature(fused_experts).parameters.items()}
     item = jnp.dtype(dtype).itemsize
-    up = (BLOCK_M + 2 * tile["bn_up"]) * tile["bk_up"] * item  # x rows, gate and up tiles
-    down = (BLOCK_M + tile["bn_down"]) * tile["bk_down"] * item  # h rows, down tile
-    for per_stage, want in ((up, tile["stages_up"]), (down, tile["stages_down"])):
-        stages = _stages_within(want, per_stage)
-        assert stages >= 2 and (stages - 1) * per_stage <= SHARED_MEMORY_BUDGET, (dtype, per_stage, stages)
+    for tile in (defaults, TILES_ONE_TOKEN):
+        up = (BLOCK_M + 2 * tile["bn_up"]) * tile["bk_up"] * item  # x rows, gate and up tiles
+        down = (BLOCK_M + tile["bn_down"]) * tile["bk_down"] * item  # h rows, down tile
+        for per_stage, want in ((up, tile["stages_up"]), (down, tile["stages_down"])):
+            stages = _stages_within(want, per_stage)
+            assert stages >= 2 and (stages - 1) * per_stage <= SHARED_MEMORY_BUDGET, (dtype, per_stage, stages)

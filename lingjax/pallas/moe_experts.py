@@ -4,8 +4,9 @@
   1. moe_align (lingjax/pallas/moe_align.py) sorts the T·k (token, slot) pairs into blocks of `block_m`
      rows that share one expert (one launch on the pair axis for NP ≤ 64, sort-based above; at T = 1
      no launch: each pair is its own block, see _single_token_slots).
-  2. Up kernel, grid (block, I tile): rows gathered from x by token, gate and up tiles read from the two
-     [E, I, D] arrays in the same K loop, h = act(g, u) in f32 and rounded once to x's dtype.
+  2. Up kernel, grid (block, I tile): rows gathered from x by token (at T = 1 x's one row, broadcast), gate
+     and up tiles read from the two [E, I, D] arrays in the same K loop, h = act(g, u) in f32 and rounded once
+     to x's dtype.
   3. Down kernel, grid (block, D tile): y = h · W_downᵀ in f32, times the pair's routing weight, stored
      to the pair's own row; the k rows of a token are summed in f32 in slot order, one small XLA fusion
      (a reduce's order changed with T on the H200: a decode's row must equal its verify's).
@@ -55,7 +56,7 @@ def _swiglu(g, u, limit):
 
 
 def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
-               shared_limit, routing):
+               shared_limit, routing, x_row):
     # plan_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
     # x_ref [R ≥ T, D] (rows past T unread); wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
     # h_ref [S (+ shared blocks · BM), I] in x's dtype.
@@ -74,7 +75,10 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
     def block(tok, wg, wu, lim):  # tok [BM] token rows; wg, wu: (cols, ks) -> [BN, BK] tiles
         def step(kk, acc):
             ks = pl.ds(pl.multiple_of(kk * bk, bk), bk)
-            xs = x_ref[tok, ks]  # [BM, BK] gathered rows
+            if x_row:  # T = 1: every gathered row is row 0; one row read, broadcast in registers
+                xs = jnp.broadcast_to(x_ref[pl.ds(0, 1), ks], (block_m, bk))
+            else:
+                xs = x_ref[tok, ks]  # [BM, BK] gathered rows
             return acc[0] + dot_nt(xs, wg(ks)), acc[1] + dot_nt(xs, wu(ks))  # gate, up: same K step
 
         zero = jnp.zeros((block_m, bn), F32)
@@ -156,8 +160,15 @@ def _single_token_slots(top_k: int, block_m: int):
     return jnp.asarray(ids)
 
 
-# Tiles: one set for every T (see fused_experts)
+# Tiles: one set for every T (see fused_experts), but routed_experts' T = 1 path (the decode) takes the up kernel's
+# K step of 256 at 3 stages, where it reads x's one row instead of 16 copies (X_ROW_MIN_BYTES)
 TILES = dict(bn_up=64, bk_up=128, bn_down=64, bk_down=128, warps_up=4, warps_down=4, stages_up=5, stages_down=3)
+TILES_ONE_TOKEN = dict(TILES, bk_up=256, stages_up=3)
+# At T = 1 the up kernel reads x's row once per K step and broadcasts it, instead of gathering 16 copies, when a
+# step's row spans at least this many bytes. On the H200 with bf16 x: at a K step of 256 (512 B) the up kernel
+# took 1.1-1.3 µs less (T = 1 layer, interleaved in one process, five processes); at 128 (256 B) 9.5 µs more,
+# as if the pipeliner no longer prefetched the row (bench/results/moe_h200_2026-12-01_run5.md).
+X_ROW_MIN_BYTES = 512
 
 
 @functools.partial(
@@ -178,9 +189,10 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     result. `y_init` ([NP + 1 (+ T), D] f32, tests only) seeds the output rows so that a row no kernel wrote
     shows up.
 
-    Tiles: one set for every T. On the H200 every tile set tried gave a token's row the same bits in a T=1
-    decode as in a T=6 verify (18 up and down variants: the tensor cores accumulate along K in one order
-    whatever the tile), but one set keeps row invariance (lingjax/model.py) off that measurement. The
+    Tiles: the defaults (TILES) at every T; routed_experts' decode takes TILES_ONE_TOKEN. On the H200 every
+    tile set tried gave a token's row the same bits in a T=1 decode as in a T=6 verify (18 up and down
+    variants, and the K step of 256 with x's row broadcast in every call of 2026-12-01's run5: the tensor
+    cores accumulate along K in one order whatever the tile); bench/moe_bench.py checks it in every run. The
     defaults were the fastest at T = 1, 4 and 6, at I = 768 (TP1) and at I = 384 (a TP2 device's half):
     up 64 x 128 at 5 stages, down 64 x 128 at 3 (bench/results/moe_h200_2026-12-01.md: at T = 1, I = 768
     up 20.7 and down 11.0 µs against 23.8 and 13.1 for the previous 32 x 256 / 64 x 256).
@@ -220,7 +232,9 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
     itself (lingjax.pallas.moe_router.token_routing, the select kernel's own code, so the same bits), takes
     the b-th, and program (0, 0) hands the routing to the down kernel. On the H200 a Flash layer took 42.3
     µs this way against 43.5 with the select launch, measured interleaved in one process
-    (bench/results/moe_h200_2026-12-01_run3.md). Above
+    (bench/results/moe_h200_2026-12-01_run3.md). Its up kernel steps K by 256 at 3 stages and reads x's one
+    row (TILES_ONE_TOKEN): 0.5-1.2 µs less a layer than the default tiles (bench/results/moe_h200_2026-12-01_run5.md;
+    at T = 6 the same up tiles took 1.2 µs more than the defaults, run4, so the verify keeps those). Above
     T = 1, or with select_in_up=False (an A/B in the step: step_bench --kernel-option): the two router
     launches (lingjax.pallas.moe_router.route), then fused_experts.
     """
@@ -235,7 +249,7 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
     check_routing(router_w.shape[0], n_group=n_group, topk_group=topk_group, top_k=top_k)
     logits = partial_logits(x, router_w, precision=precision, tokens=1, interpret=interpret)
     return _expert_launches(x, w_gate, w_up, w_down, (logits, bias.astype(F32)), None, limit, t=1, nb=top_k,
-                            top_k=top_k, block_m=BLOCK_M, tiles=TILES, shared=shared, shared_limit=shared_limit,
+                            top_k=top_k, block_m=BLOCK_M, tiles=TILES_ONE_TOKEN, shared=shared, shared_limit=shared_limit,
                             routing=tuple(routing.items()), interpret=interpret, y_init=None)
 
 
@@ -266,7 +280,8 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
         out_shape += [jax.ShapeDtypeStruct((1, top_k), F32), jax.ShapeDtypeStruct((1, top_k), jnp.int32)]
     h, *routed = pallas_call(
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
-                          limit=float(limit), shared_limit=float(shared_limit), routing=routing),
+                          limit=float(limit), shared_limit=float(shared_limit), routing=routing,
+                          x_row=t == 1 and bk_up * x_bytes >= X_ROW_MIN_BYTES),
         out_shape=out_shape,
         grid=(nb + ns, i_dim // bn_up),
         compiler_params=params(tiles["warps_up"], tiles["stages_up"], up_stage),
