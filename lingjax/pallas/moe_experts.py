@@ -161,9 +161,13 @@ def _single_token_slots(top_k: int, block_m: int):
 
 
 # Tiles: one set for every T (see fused_experts), but routed_experts' T = 1 path (the decode) takes the up kernel's
-# K step of 256 at 3 stages, where it reads x's one row instead of 16 copies (X_ROW_MIN_BYTES)
+# K step of 256 at 3 stages, where it reads x's one row instead of 16 copies (X_ROW_MIN_BYTES), and I tiles of
+# I / ONE_TOKEN_I_TILES (at most 64): Flash's top 8 + shared expert then make 108 up programs, one wave on the
+# H200's 132 SMs, at TP1 (I = 768, 64-wide) and at TP2 (I = 384, 32-wide: 28.9 against 30.2 µs a layer with
+# 64-wide tiles, which leave half the SMs idle; bench/results/moe_h200_2026-12-01_run5.md)
 TILES = dict(bn_up=64, bk_up=128, bn_down=64, bk_down=128, warps_up=4, warps_down=4, stages_up=5, stages_down=3)
 TILES_ONE_TOKEN = dict(TILES, bk_up=256, stages_up=3)
+ONE_TOKEN_I_TILES = 12
 # At T = 1 the up kernel reads x's row once per K step and broadcasts it, instead of gathering 16 copies, when a
 # step's row spans at least this many bytes. On the H200 with bf16 x: at a K step of 256 (512 B) the up kernel
 # took 1.1-1.3 µs less (T = 1 layer, interleaved in one process, five processes); at 128 (256 B) 9.5 µs more,
@@ -189,7 +193,7 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     result. `y_init` ([NP + 1 (+ T), D] f32, tests only) seeds the output rows so that a row no kernel wrote
     shows up.
 
-    Tiles: the defaults (TILES) at every T; routed_experts' decode takes TILES_ONE_TOKEN. On the H200 every
+    Tiles: the defaults (TILES) at every T; routed_experts' decode takes one_token_tiles. On the H200 every
     tile set tried gave a token's row the same bits in a T=1 decode as in a T=6 verify (18 up and down
     variants, and the K step of 256 with x's row broadcast in every call of 2026-12-01's run5: the tensor
     cores accumulate along K in one order whatever the tile); bench/moe_bench.py checks it in every run. The
@@ -233,8 +237,9 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
     the b-th, and program (0, 0) hands the routing to the down kernel. On the H200 a Flash layer took 42.3
     µs this way against 43.5 with the select launch, measured interleaved in one process
     (bench/results/moe_h200_2026-12-01_run3.md). Its up kernel steps K by 256 at 3 stages and reads x's one
-    row (TILES_ONE_TOKEN): 0.5-1.2 µs less a layer than the default tiles (bench/results/moe_h200_2026-12-01_run5.md;
-    at T = 6 the same up tiles took 1.2 µs more than the defaults, run4, so the verify keeps those). Above
+    row, in I tiles that make one wave of programs (one_token_tiles): 0.5-1.2 µs less a layer than the default
+    tiles at TP1 and 1.4 at TP2's width (bench/results/moe_h200_2026-12-01_run5.md; at T = 6 the same up tiles
+    took 1.2 µs more than the defaults, run4, so the verify keeps those). Above
     T = 1, or with select_in_up=False (an A/B in the step: step_bench --kernel-option): the two router
     launches (lingjax.pallas.moe_router.route), then fused_experts.
     """
@@ -249,8 +254,14 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
     check_routing(router_w.shape[0], n_group=n_group, topk_group=topk_group, top_k=top_k)
     logits = partial_logits(x, router_w, precision=precision, tokens=1, interpret=interpret)
     return _expert_launches(x, w_gate, w_up, w_down, (logits, bias.astype(F32)), None, limit, t=1, nb=top_k,
-                            top_k=top_k, block_m=BLOCK_M, tiles=TILES_ONE_TOKEN, shared=shared, shared_limit=shared_limit,
+                            top_k=top_k, block_m=BLOCK_M, tiles=one_token_tiles(w_gate.shape[1]), shared=shared,
+                            shared_limit=shared_limit,
                             routing=tuple(routing.items()), interpret=interpret, y_init=None)
+
+
+def one_token_tiles(i_dim: int) -> dict:
+    """routed_experts' decode tiles at expert width i_dim (TILES_ONE_TOKEN, ONE_TOKEN_I_TILES)."""
+    return dict(TILES_ONE_TOKEN, bn_up=pow2_tile(i_dim, max(16, i_dim // ONE_TOKEN_I_TILES)))
 
 
 def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, top_k, block_m, tiles, shared,
