@@ -59,7 +59,9 @@ ROUTERS = {  # name -> route() options; "legacy" is the first version, the rest 
 }
 
 # (up, down) tile pairs of the sweep, the first the defaults; the rest each the best of a wider sweep at some
-# T or width (bench/results/moe_h200_2026-12-01.md), or the previous defaults (32 x 256 / 64 x 256)
+# T or width (bench/results/moe_h200_2026-12-01.md), or the previous defaults (32 x 256 / 64 x 256). The up
+# tiles 32 x 256 and 64 x 256 at 3 stages are also the decode's (moe_experts.one_token_tiles at TP2's and TP1's
+# width): the sweep's bit check holds their T = 1 rows to the default tiles' T = 6 rows (row invariance)
 UP_TILES = [{}, dict(bn_up=32, bk_up=256, stages_up=3), dict(bn_up=64, bk_up=128, stages_up=4),
             dict(bn_up=64, bk_up=256, stages_up=3), dict(bn_up=16, bk_up=256, stages_up=4)]
 DOWN_TILES = [{}, dict(bn_down=64, bk_down=256, stages_down=3), dict(bn_down=64, bk_down=128, stages_down=4),

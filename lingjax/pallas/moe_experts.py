@@ -170,7 +170,7 @@ TILES_ONE_TOKEN = dict(TILES, bk_up=256, stages_up=3)
 ONE_TOKEN_I_TILES = 12
 # At T = 1 the up kernel reads x's row once per K step and broadcasts it, instead of gathering 16 copies, when a
 # step's row spans at least this many bytes. On the H200 with bf16 x: at a K step of 256 (512 B) the up kernel
-# took 1.1-1.3 µs less (T = 1 layer, interleaved in one process, five processes); at 128 (256 B) 9.5 µs more,
+# took 0.9-1.7 µs less (T = 1 layer, interleaved in one process, seven processes); at 128 (256 B) 9.5 µs more,
 # as if the pipeliner no longer prefetched the row (bench/results/moe_h200_2026-12-01_run5.md).
 X_ROW_MIN_BYTES = 512
 
