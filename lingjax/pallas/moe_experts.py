@@ -160,19 +160,23 @@ def _single_token_slots(top_k: int, block_m: int):
     return jnp.asarray(ids)
 
 
-# Tiles: one set for every T (see fused_experts), but routed_experts' T = 1 path (the decode) takes the up kernel's
-# K step of 256 at 3 stages, where it reads x's one row instead of 16 copies (X_ROW_MIN_BYTES), and I tiles of
-# I / ONE_TOKEN_I_TILES (at most 64): Flash's top 8 + shared expert then make 108 up programs, one wave on the
-# H200's 132 SMs, at TP1 (I = 768, 64-wide) and at TP2 (I = 384, 32-wide: 28.9 against 30.2 µs a layer with
-# 64-wide tiles, which leave half the SMs idle; bench/results/moe_h200_2026-12-01_run5.md)
+# Tiles: one set for every T (see fused_experts) but routed_experts' T = 1 path (one_token_tiles)
 TILES = dict(bn_up=64, bk_up=128, bn_down=64, bk_down=128, warps_up=4, warps_down=4, stages_up=5, stages_down=3)
-TILES_ONE_TOKEN = dict(TILES, bk_up=256, stages_up=3)
 ONE_TOKEN_I_TILES = 12
 # At T = 1 the up kernel reads x's row once per K step and broadcasts it, instead of gathering 16 copies, when a
 # step's row spans at least this many bytes. On the H200 with bf16 x: at a K step of 256 (512 B) the up kernel
 # took 0.9-1.7 µs less (T = 1 layer, interleaved in one process, seven processes); at 128 (256 B) 9.5 µs more,
 # as if the pipeliner no longer prefetched the row (bench/results/moe_h200_2026-12-01_run5.md).
 X_ROW_MIN_BYTES = 512
+
+
+def one_token_tiles(i_dim: int) -> dict:
+    """The decode's tiles (routed_experts at T = 1) at expert width i_dim: TILES, but the up kernel steps K by 256
+    at 3 stages, where it reads x's one row instead of 16 copies (X_ROW_MIN_BYTES), in I tiles of i_dim /
+    ONE_TOKEN_I_TILES (at most 64 wide): Flash's top 8 + shared expert then make 108 up programs, one wave on the
+    H200's 132 SMs, at TP1 (I = 768, 64-wide) and at TP2 (I = 384, 32-wide: 29.4 against 30.7 µs a layer with
+    64-wide tiles, which leave half the SMs idle; bench/results/moe_h200_2026-12-01_run5.md)."""
+    return dict(TILES, bk_up=256, stages_up=3, bn_up=pow2_tile(i_dim, max(16, i_dim // ONE_TOKEN_I_TILES)))
 
 
 @functools.partial(
@@ -257,11 +261,6 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
                             top_k=top_k, block_m=BLOCK_M, tiles=one_token_tiles(w_gate.shape[1]), shared=shared,
                             shared_limit=shared_limit,
                             routing=tuple(routing.items()), interpret=interpret, y_init=None)
-
-
-def one_token_tiles(i_dim: int) -> dict:
-    """routed_experts' decode tiles at expert width i_dim (TILES_ONE_TOKEN, ONE_TOKEN_I_TILES)."""
-    return dict(TILES_ONE_TOKEN, bn_up=pow2_tile(i_dim, max(16, i_dim // ONE_TOKEN_I_TILES)))
 
 
 def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, top_k, block_m, tiles, shared,
