@@ -12,7 +12,7 @@ from lingjax import kernels
 from lingjax.ops import moe
 from lingjax.pallas.moe_align import PAIR_LIMIT, align_reference, moe_align
 from lingjax.pallas.moe_experts import fused_experts, one_token_tiles, routed_experts
-from lingjax.pallas.moe_router import LEGACY, route
+from lingjax.pallas.moe_router import LEGACY, partial_logits, route
 
 D, I, E = 64, 32, 16
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -316,13 +316,35 @@ def test_kernel_options_reach_the_kernel(monkeypatch):
         lingjax.Model(base.module, kernels="pallas", kernel_options=(("no_such_op", (("x", 1),)),))
 
 
+def test_router_gemv_single_token_reads_x_row_once(monkeypatch):
+    """At T = 1 the router's GEMV reads x's one row and broadcasts it when a K step's row spans X_ROW_MIN_BYTES
+    (f32 at K step 128 here), else gathers 16 copies of it: the same partial logits either way, summing to
+    x · router_wᵀ, with other tokens in the padded rows (a broadcast of the wrong row shows)."""
+    import lingjax.pallas
+    from lingjax.pallas import moe_router
+
+    assert 128 * 4 >= lingjax.pallas.X_ROW_MIN_BYTES  # the first call broadcasts
+    x, w, _ = _router_inputs(16, 256, 64)
+    row = partial_logits(x, w, tokens=1, k_splits=2, bk=128)
+    monkeypatch.setattr(moe_router, "X_ROW_MIN_BYTES", 1 << 30)  # the second gathers
+    jax.clear_caches()
+    gathered = partial_logits(x, w, tokens=1, k_splits=2, bk=128)
+    jax.clear_caches()
+    assert row.shape == (2, 1, 64)
+    np.testing.assert_array_equal(np.asarray(row), np.asarray(gathered))
+    with jax.default_matmul_precision("highest"):
+        want = x[:1] @ w.T
+    assert rel_err(row.sum(0), want) <= 1e-5
+
+
 def test_single_token_up_reads_x_row_once(monkeypatch):
     """At T = 1 the up kernel reads x's one row and broadcasts it when a K step's row spans X_ROW_MIN_BYTES
     (f32 at K step 128 here), else gathers 16 copies of it: the same bits either way, equal to the reference,
     with other tokens in the padded rows (a broadcast of the wrong row shows)."""
+    import lingjax.pallas
     from lingjax.pallas import moe_experts
 
-    assert 128 * 4 >= moe_experts.X_ROW_MIN_BYTES  # the first call broadcasts
+    assert 128 * 4 >= lingjax.pallas.X_ROW_MIN_BYTES  # the first call broadcasts
     k, d = 4, 128
     ks = jax.random.split(key_for("x row"), 9)
     normal = lambda kk, shape, fan_in: jax.random.normal(kk, shape) * fan_in**-0.5

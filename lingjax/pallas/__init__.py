@@ -19,6 +19,13 @@ from lingjax.pallas.grid_dependency import after_producers
 
 _NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b [N, K]ᵀ
 
+# At T = 1 a kernel whose dot takes 16 gathered x rows (all the token's) reads the row once per K step and
+# broadcasts it, when a step's row spans at least this many bytes (moe_experts' up kernel, moe_router's GEMV).
+# On the H200 with bf16 x: at a K step of 256 (512 B) the up kernel took 0.9-1.7 µs less (T = 1 layer,
+# interleaved in one process, seven processes) and the GEMV 0.13; at 128 (256 B) the up kernel took 9.5 µs
+# more, as if the pipeliner no longer prefetched the row (bench/results/moe_h200_2026-12-01_run5.md).
+X_ROW_MIN_BYTES = 512
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """interpret=None means: interpret mode unless the backend is a GPU (chosen by backend, never by
     import failure; the CPU backend only runs Pallas in interpret mode)."""

@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import dot_nt, pallas_call, pow2_tile, resolve_interpret
+from lingjax.pallas import X_ROW_MIN_BYTES, dot_nt, pallas_call, pow2_tile, resolve_interpret
 
 from lingjax.ops.moe import experts_gathered  # the reference
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
@@ -163,11 +163,6 @@ def _single_token_slots(top_k: int, block_m: int):
 # Tiles: one set for every T (see fused_experts) but routed_experts' T = 1 path (one_token_tiles)
 TILES = dict(bn_up=64, bk_up=128, bn_down=64, bk_down=128, warps_up=4, warps_down=4, stages_up=5, stages_down=3)
 ONE_TOKEN_I_TILES = 12
-# At T = 1 the up kernel reads x's row once per K step and broadcasts it, instead of gathering 16 copies, when a
-# step's row spans at least this many bytes. On the H200 with bf16 x: at a K step of 256 (512 B) the up kernel
-# took 0.9-1.7 µs less (T = 1 layer, interleaved in one process, seven processes); at 128 (256 B) 9.5 µs more,
-# as if the pipeliner no longer prefetched the row (bench/results/moe_h200_2026-12-01_run5.md).
-X_ROW_MIN_BYTES = 512
 
 
 def one_token_tiles(i_dim: int) -> dict:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import dot_nt, pallas_call, resolve_interpret
+from lingjax.pallas import X_ROW_MIN_BYTES, dot_nt, pallas_call, resolve_interpret
 
 F32 = jnp.float32
 
@@ -49,7 +49,7 @@ F32 = jnp.float32
 LEGACY = dict(k_splits=1, bk=512, select="serial", select_warps=4, tensor_core_f32=False)
 
 
-def _gemv_kernel(x_ref, w_ref, p_ref, *, t, bt, be, bk, k_per_split, dtype):
+def _gemv_kernel(x_ref, w_ref, p_ref, *, t, bt, be, bk, k_per_split, dtype, x_row):
     # x_ref [R ≥ T, D] (rows past T unread); w_ref [E, D]; p_ref [KS, T, E] f32 partial logits
     ei, si, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = jnp.minimum(ti * bt + jnp.arange(bt), t - 1)  # [BT] clamped: tail rows repeat the last token
@@ -57,7 +57,10 @@ def _gemv_kernel(x_ref, w_ref, p_ref, *, t, bt, be, bk, k_per_split, dtype):
 
     def step(kk, acc):
         ks = pl.ds(pl.multiple_of(si * k_per_split + kk * bk, bk), bk)
-        xs = x_ref[rows, ks].astype(dtype)  # [BT, BK]
+        if x_row:  # T = 1: every row is row 0; one row read, broadcast (X_ROW_MIN_BYTES)
+            xs = jnp.broadcast_to(x_ref[pl.ds(0, 1), ks], (bt, bk)).astype(dtype)
+        else:
+            xs = x_ref[rows, ks].astype(dtype)  # [BT, BK]
         ws = w_ref[cols, ks].astype(dtype)  # [BE, BK]
         return acc + dot_nt(xs, ws)  # xs, ws already in `dtype`
 
@@ -219,7 +222,8 @@ def partial_logits(x, router_w, *, precision="f32", tokens=None, be=GEMV["be"], 
     exact_in_bf16 = tensor_core_f32 and x.dtype == router_w.dtype == jnp.bfloat16  # products exact in f32
     dtype = F32 if precision == "f32" and not exact_in_bf16 else jnp.bfloat16
     return pallas_call(
-        functools.partial(_gemv_kernel, t=t, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype),
+        functools.partial(_gemv_kernel, t=t, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype,
+                          x_row=t == 1 and bk * x.dtype.itemsize >= X_ROW_MIN_BYTES),
         out_shape=jax.ShapeDtypeStruct((k_splits, t, n_exp), F32),
         grid=(n_exp // be, k_splits, pl.cdiv(t, bt)),
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages),
