@@ -321,12 +321,11 @@ def test_router_gemv_single_token_reads_x_row_once(monkeypatch):
     (f32 at K step 128 here), else gathers 16 copies of it: the same partial logits either way, summing to
     x · router_wᵀ, with other tokens in the padded rows (a broadcast of the wrong row shows)."""
     import lingjax.pallas
-    from lingjax.pallas import moe_router
 
     assert 128 * 4 >= lingjax.pallas.X_ROW_MIN_BYTES  # the first call broadcasts
     x, w, _ = _router_inputs(16, 256, 64)
     row = partial_logits(x, w, tokens=1, k_splits=2, bk=128)
-    monkeypatch.setattr(moe_router, "X_ROW_MIN_BYTES", 1 << 30)  # the second gathers
+    monkeypatch.setattr(lingjax.pallas, "X_ROW_MIN_BYTES", 1 << 30)  # the second gathers
     jax.clear_caches()
     gathered = partial_logits(x, w, tokens=1, k_splits=2, bk=128)
     jax.clear_caches()
@@ -342,7 +341,6 @@ def test_single_token_up_reads_x_row_once(monkeypatch):
     (f32 at K step 128 here), else gathers 16 copies of it: the same bits either way, equal to the reference,
     with other tokens in the padded rows (a broadcast of the wrong row shows)."""
     import lingjax.pallas
-    from lingjax.pallas import moe_experts
 
     assert 128 * 4 >= lingjax.pallas.X_ROW_MIN_BYTES  # the first call broadcasts
     k, d = 4, 128
@@ -355,7 +353,7 @@ def test_single_token_up_reads_x_row_once(monkeypatch):
     experts = _distinct_experts(ks[8], 16, k, E)
     kw = dict(tokens=1, shared=shared, shared_limit=0.7)
     row = fused_experts(x, wg, wu, wd, weights, experts, 0.5, bk_up=128, **kw)
-    monkeypatch.setattr(moe_experts, "X_ROW_MIN_BYTES", 1 << 30)  # the second gathers
+    monkeypatch.setattr(lingjax.pallas, "X_ROW_MIN_BYTES", 1 << 30)  # the second gathers
     jax.clear_caches()
     gathered = fused_experts(x, wg, wu, wd, weights, experts, 0.5, bk_up=128, **kw)
     jax.clear_caches()

@@ -26,6 +26,20 @@ _NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b 
 # more, as if the pipeliner no longer prefetched the row (bench/results/moe_h200_2026-12-01_run5.md).
 X_ROW_MIN_BYTES = 512
 
+
+def reads_one_row(tokens: int, bk: int, dtype) -> bool:
+    """Whether a kernel gathering 16 x rows per K step of bk reads x's one row instead (T = 1, X_ROW_MIN_BYTES)."""
+    return tokens == 1 and bk * jnp.dtype(dtype).itemsize >= X_ROW_MIN_BYTES
+
+
+def x_rows(x_ref, rows, ks, one_row: bool):
+    """x_ref[rows, ks] inside a kernel, [len(rows), ks.size]; with one_row (every row is row 0) row 0 read
+    once and broadcast in registers."""
+    if one_row:
+        return jnp.broadcast_to(x_ref[pl.ds(0, 1), ks], (rows.shape[0], ks.size))
+    return x_ref[rows, ks]
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """interpret=None means: interpret mode unless the backend is a GPU (chosen by backend, never by
     import failure; the CPU backend only runs Pallas in interpret mode)."""

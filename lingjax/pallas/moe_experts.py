@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import X_ROW_MIN_BYTES, dot_nt, pallas_call, pow2_tile, resolve_interpret
+from lingjax.pallas import dot_nt, pallas_call, pow2_tile, reads_one_row, resolve_interpret, x_rows
 
 from lingjax.ops.moe import experts_gathered  # the reference
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
@@ -75,10 +75,7 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
     def block(tok, wg, wu, lim):  # tok [BM] token rows; wg, wu: (cols, ks) -> [BN, BK] tiles
         def step(kk, acc):
             ks = pl.ds(pl.multiple_of(kk * bk, bk), bk)
-            if x_row:  # T = 1: every gathered row is row 0; one row read, broadcast in registers
-                xs = jnp.broadcast_to(x_ref[pl.ds(0, 1), ks], (block_m, bk))
-            else:
-                xs = x_ref[tok, ks]  # [BM, BK] gathered rows
+            xs = x_rows(x_ref, tok, ks, x_row)  # [BM, BK] gathered rows (T = 1: x's one row, broadcast)
             return acc[0] + dot_nt(xs, wg(ks)), acc[1] + dot_nt(xs, wu(ks))  # gate, up: same K step
 
         zero = jnp.zeros((block_m, bn), F32)
@@ -286,7 +283,7 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     h, *routed = pallas_call(
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
                           limit=float(limit), shared_limit=float(shared_limit), routing=routing,
-                          x_row=t == 1 and bk_up * x_bytes >= X_ROW_MIN_BYTES),
+                          x_row=reads_one_row(t, bk_up, x.dtype)),
         out_shape=out_shape,
         grid=(nb + ns, i_dim // bn_up),
         compiler_params=params(tiles["warps_up"], tiles["stages_up"], up_stage),

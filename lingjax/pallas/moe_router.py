@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import X_ROW_MIN_BYTES, dot_nt, pallas_call, resolve_interpret
+from lingjax.pallas import dot_nt, pallas_call, reads_one_row, resolve_interpret, x_rows
 
 F32 = jnp.float32
 
@@ -57,10 +57,7 @@ def _gemv_kernel(x_ref, w_ref, p_ref, *, t, bt, be, bk, k_per_split, dtype, x_ro
 
     def step(kk, acc):
         ks = pl.ds(pl.multiple_of(si * k_per_split + kk * bk, bk), bk)
-        if x_row:  # T = 1: every row is row 0; one row read, broadcast (X_ROW_MIN_BYTES)
-            xs = jnp.broadcast_to(x_ref[pl.ds(0, 1), ks], (bt, bk)).astype(dtype)
-        else:
-            xs = x_ref[rows, ks].astype(dtype)  # [BT, BK]
+        xs = x_rows(x_ref, rows, ks, x_row).astype(dtype)  # [BT, BK] (T = 1: x's one row, broadcast)
         ws = w_ref[cols, ks].astype(dtype)  # [BE, BK]
         return acc + dot_nt(xs, ws)  # xs, ws already in `dtype`
 
@@ -223,7 +220,7 @@ def partial_logits(x, router_w, *, precision="f32", tokens=None, be=GEMV["be"], 
     dtype = F32 if precision == "f32" and not exact_in_bf16 else jnp.bfloat16
     return pallas_call(
         functools.partial(_gemv_kernel, t=t, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype,
-                          x_row=t == 1 and bk * x.dtype.itemsize >= X_ROW_MIN_BYTES),
+                          x_row=reads_one_row(t, bk, x.dtype)),
         out_shape=jax.ShapeDtypeStruct((k_splits, t, n_exp), F32),
         grid=(n_exp // be, k_splits, pl.cdiv(t, bt)),
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages),
