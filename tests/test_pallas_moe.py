@@ -362,6 +362,33 @@ def test_single_token_up_reads_x_row_once(monkeypatch):
     assert rel_err(row, want) <= 1e-5
 
 
+def test_single_token_shared_expert_split(monkeypatch):
+    """At T = 1 the shared expert's block runs on twice the up programs at half width (SHARED_SPLIT, when the
+    half is at least MIN_DOT_ROWS wide: lowered here so the CPU's small dims split): the same result as one
+    program per tile, every h column written (a missed half shows), equal to the reference."""
+    import lingjax.pallas.moe_experts as me
+
+    d, e = 64, 64
+    ks = jax.random.split(key_for("shared split"), 6)
+    normal = lambda kk, shape, fan_in: jax.random.normal(kk, shape) * fan_in**-0.5
+    router, bias = normal(ks[0], (e, d), d), 0.1 * jax.random.normal(ks[1], (e,))
+    w = (normal(ks[2], (e, I, d), d), normal(ks[3], (e, I, d), d), normal(ks[4], (e, d, I), I))
+    sh = tuple(normal(kk, shape, fan) for kk, shape, fan in zip(jax.random.split(ks[5], 3), [(I, d), (I, d), (d, I)],
+                                                                   [d, d, I]))
+    x = jax.random.normal(key_for("shared split x"), (16, d))
+    kw = dict(**FLASH_ROUTING, tokens=1, shared=sh, shared_limit=0.7)
+    assert one_token_tiles(I)["bn_up"] // me.SHARED_SPLIT < me.MIN_DOT_ROWS  # unsplit at the GPU's minimum
+    whole = routed_experts(x, router, bias, *w, 0.5, **kw)
+    monkeypatch.setattr(me, "MIN_DOT_ROWS", one_token_tiles(I)["bn_up"] // me.SHARED_SPLIT)
+    jax.clear_caches()
+    split = routed_experts(x, router, bias, *w, 0.5, **kw)
+    jax.clear_caches()
+    np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+    with jax.default_matmul_precision("highest"):
+        want = moe.routed_experts(x, router, bias, *w, 0.5, **kw)
+    assert rel_err(split, want) <= 1e-5
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_expert_pipelines_fit_shared_memory(dtype):
     """The default tiles' pipelines stay inside the shared-memory budget for bf16 and f32 operands (f32 at

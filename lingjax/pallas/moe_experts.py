@@ -33,12 +33,17 @@ from lingjax.pallas import dot_nt, pallas_call, pow2_tile, reads_one_row, resolv
 
 from lingjax.ops.moe import experts_gathered  # the reference
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
-from lingjax.pallas.moe_router import check_routing, partial_logits, route, token_routing
+from lingjax.pallas.moe_router import check_routing, partial_logits, route, token_expert, token_routing
 
 F32 = jnp.float32
 # Shared memory a pipelined K loop may take on an H200 (232448 B per block), less room for the rest of
 # the kernel: Triton keeps num_stages - 1 tiles of each operand in flight.
 SHARED_MEMORY_BUDGET = 200 * 1024
+MIN_DOT_ROWS = 16  # a Triton dot's smallest tile dimension
+# The decode's shared expert on twice the up programs at half width (see _expert_launches): on the H200 the
+# T = 1 layer 0.4-0.6 µs faster at I = 768 and 384 with the routed programs selecting only their own expert
+# (bench/results/moe_h200_2026-12-01_run6.md)
+SHARED_SPLIT = 2
 
 
 def _stages_within(want: int, per_stage_bytes: int) -> int:
@@ -56,13 +61,14 @@ def _swiglu(g, u, limit):
 
 
 def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
-               shared_limit, routing, x_row):
+               shared_limit, routing, x_row, shared_split):
     # plan_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
     # x_ref [R ≥ T, D] (rows past T unread); wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
     # h_ref [S (+ shared blocks · BM), I] in x's dtype.
     # With `routing` (T = 1): plan_ref holds the router's partial logits [KS, 1, E] and blk_ref its bias [E];
-    # block b's program selects the token's experts itself and takes the b-th, and program (0, 0) publishes
-    # the routing, w_ref [1, k] f32 and e_ref [1, k] int32, for the down kernel.
+    # block b's program selects the token's b-th expert itself, and one program publishes the routing, w_ref
+    # [1, k] f32 and e_ref [1, k] int32, for the down kernel.
+    # shared_split (T = 1): the shared expert's rows over shared_split times the programs, bn / shared_split wide.
     if routing:
         *shared, h_ref, w_ref, e_ref = rest
     else:
@@ -70,29 +76,24 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
     b, n = pl.program_id(0), pl.program_id(1)
     npairs = tokens * top_k
     cols = pl.ds(n * bn, bn)
-    slots = pl.ds(b * block_m, block_m)
 
-    def block(tok, wg, wu, lim):  # tok [BM] token rows; wg, wu: (cols, ks) -> [BN, BK] tiles
+    def block(tok, slots, cols, wg, wu, lim):  # tok [BM] token rows; wg, wu: ks -> [cols, BK] weight tiles
         def step(kk, acc):
             ks = pl.ds(pl.multiple_of(kk * bk, bk), bk)
             xs = x_rows(x_ref, tok, ks, x_row)  # [BM, BK] gathered rows (T = 1: x's one row, broadcast)
             return acc[0] + dot_nt(xs, wg(ks)), acc[1] + dot_nt(xs, wu(ks))  # gate, up: same K step
 
-        zero = jnp.zeros((block_m, bn), F32)
+        zero = jnp.zeros((block_m, cols.size), F32)
         g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, step, (zero, zero))
         h_ref[slots, cols] = _swiglu(g, u, lim).astype(h_ref.dtype)  # the one rounding
 
+    slots = pl.ds(b * block_m, block_m)
     if routing:
         @pl.when(b < nb)
         def _():
-            wts, ids = token_routing(plan_ref, blk_ref, 0, **dict(routing))
-            expert = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1) == b, ids, 0))
+            expert = token_expert(plan_ref, blk_ref, b, **dict(routing))
             tok = jnp.zeros((block_m,), jnp.int32)
-            block(tok, lambda ks: wg_ref[expert, cols, ks], lambda ks: wu_ref[expert, cols, ks], limit)
-
-            @pl.when((b == 0) & (n == 0))
-            def _():
-                w_ref[...], e_ref[...] = wts, ids
+            block(tok, slots, cols, lambda ks: wg_ref[expert, cols, ks], lambda ks: wu_ref[expert, cols, ks], limit)
     else:
         e = blk_ref[jnp.minimum(b, nb - 1)]
 
@@ -100,15 +101,29 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
         def _():
             rows = plan_ref[pl.ds(b * block_m, block_m)]  # [BM]
             tok = jnp.minimum(rows, npairs - 1) // top_k  # padding rows reuse a real token, never stored later
-            block(tok, lambda ks: wg_ref[e, cols, ks], lambda ks: wu_ref[e, cols, ks], limit)
+            block(tok, slots, cols, lambda ks: wg_ref[e, cols, ks], lambda ks: wu_ref[e, cols, ks], limit)
 
     if shared:
         sg_ref, su_ref = shared
 
         @pl.when(b >= nb)
         def _():
-            tok = jnp.minimum((b - nb) * block_m + jnp.arange(block_m), tokens - 1)
-            block(tok, lambda ks: sg_ref[cols, ks], lambda ks: su_ref[cols, ks], shared_limit)
+            if shared_split > 1:  # T = 1: program (nb + j, n) takes rows j·I/split + n·bn/split of the one block
+                width = bn // shared_split
+                rows = pl.ds((b - nb) * (h_ref.shape[1] // shared_split) + n * width, width)
+                out, tok = pl.ds(nb * block_m, block_m), jnp.zeros((block_m,), jnp.int32)
+            else:
+                rows, out = cols, slots
+                tok = jnp.minimum((b - nb) * block_m + jnp.arange(block_m), tokens - 1)
+            block(tok, out, rows, lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], shared_limit)
+
+    if routing:
+        # the routing, for the down kernel: published by the first shared program after its tile (the shared
+        # programs end ~2.5 µs before the routed ones, which select first), or, without a shared expert, by
+        # block 0's first program
+        @pl.when((b == (nb if shared else 0)) & (n == 0))
+        def _():
+            w_ref[...], e_ref[...] = token_routing(plan_ref, blk_ref, 0, **dict(routing))
 
 
 def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, block_m, bn, bk, has_shared):
@@ -268,6 +283,9 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     bn_down, bk_down = pow2_tile(d, tiles["bn_down"]), pow2_tile(i_dim, tiles["bk_down"])
     slots = nb * block_m if routing else plan[0].shape[0]
     ns = 0 if shared is None else pl.cdiv(t, block_m)  # shared-expert blocks
+    # at T = 1 the shared expert's block runs on SHARED_SPLIT times the programs, each half as wide: they stream
+    # while the routed programs select and leave the bandwidth to them sooner
+    split = SHARED_SPLIT if routing and ns and bn_up // SHARED_SPLIT >= MIN_DOT_ROWS else 1
 
     def params(warps, stages, per_stage_bytes):  # per stage: one K step's tiles of both operands
         stages = _stages_within(stages, per_stage_bytes)
@@ -283,9 +301,9 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     h, *routed = pallas_call(
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
                           limit=float(limit), shared_limit=float(shared_limit), routing=routing,
-                          x_row=reads_one_row(t, bk_up, x.dtype)),
+                          x_row=reads_one_row(t, bk_up, x.dtype), shared_split=split),
         out_shape=out_shape,
-        grid=(nb + ns, i_dim // bn_up),
+        grid=(nb + ns * split, i_dim // bn_up),
         compiler_params=params(tiles["warps_up"], tiles["stages_up"], up_stage),
         interpret=interpret,
         name="moe_up_select" if routing else "moe_up_swiglu",

@@ -133,17 +133,9 @@ def _group_heads(sel2, kk):
     return vals, ids + jax.lax.broadcasted_iota(jnp.int32, (g, kk), 0) * s, firsts[0] + firsts[1]
 
 
-def select_token(logits, bias, *, n_group, topk_group, top_k, scaling, renormalize):
-    """Routing of one token inside a kernel: logits [1, E] f32, bias [E] f32 -> (weights [1, k] f32, ids [1, k]
-    int32), as lingjax.ops.moe.route, bit for bit.
-
-    A full-width reduction costs a select program ~0.2 µs on the H200 and sits on the critical path, so there
-    are few: every group's k largest come from k passes along the group axis (all groups at once, ~0.12 µs a
-    pass); their first two give the group scores, and the kept groups are ranked by one [G, G] count. The
-    token's top k are among the kept groups' heads (any expert that beats a top-k member is itself one), so
-    each head's rank among the G·k heads is one [G·k, G·k] count, exact for the top k; then the k ids and
-    their raw scores. In one program of 4 warps this took 1.76 µs against 2.77 for k argmax passes over the
-    kept experts (bench/results/moe_h200_2026-12-01_run4.md). Ties resolve to the lower index everywhere."""
+def _ranked_heads(logits, bias, *, n_group, topk_group, top_k):
+    """select_token's ranking: (raw scores [1, E] f32, the kept groups' head ids [1, G·k] int32, each head's
+    rank [1, G·k] int32: 0..k-1 for the token's top k, best first)."""
     n_exp = logits.shape[1]
     gsize = n_exp // n_group
     kk = min(max(top_k, 2), gsize)  # the group scores need two (the config keeps groups of at least 2)
@@ -160,24 +152,52 @@ def select_token(logits, bias, *, n_group, topk_group, top_k, scaling, renormali
     cv = jnp.where(keep.reshape(n_group, 1), vals, -jnp.inf).reshape(1, nc)  # heads of the kept groups
     ci = ids.reshape(1, nc)
     ahead = (cv > cv.reshape(nc, 1)) | ((cv == cv.reshape(nc, 1)) & (ci < ci.reshape(nc, 1)))  # [head, other]
-    rank = jnp.sum(jnp.where(ahead, 1, 0), axis=1).reshape(1, nc)
-    picked = jax.lax.broadcasted_iota(jnp.int32, (top_k, nc), 0) == rank  # [k, heads]
+    return scores, ci, jnp.sum(jnp.where(ahead, 1, 0), axis=1).reshape(1, nc)
+
+
+def select_token(logits, bias, *, n_group, topk_group, top_k, scaling, renormalize):
+    """Routing of one token inside a kernel: logits [1, E] f32, bias [E] f32 -> (weights [1, k] f32, ids [1, k]
+    int32), as lingjax.ops.moe.route, bit for bit.
+
+    A full-width reduction costs a select program ~0.2 µs on the H200 and sits on the critical path, so there
+    are few: every group's k largest come from k passes along the group axis (all groups at once, ~0.12 µs a
+    pass); their first two give the group scores, and the kept groups are ranked by one [G, G] count. The
+    token's top k are among the kept groups' heads (any expert that beats a top-k member is itself one), so
+    each head's rank among the G·k heads is one [G·k, G·k] count, exact for the top k; then the k ids and
+    their raw scores. In one program of 4 warps this took 1.76 µs against 2.77 for k argmax passes over the
+    kept experts (bench/results/moe_h200_2026-12-01_run4.md). Ties resolve to the lower index everywhere."""
+    scores, ci, rank = _ranked_heads(logits, bias, n_group=n_group, topk_group=topk_group, top_k=top_k)
+    picked = jax.lax.broadcasted_iota(jnp.int32, (top_k, ci.shape[1]), 0) == rank  # [k, heads]
     top = jnp.sum(jnp.where(picked, ci, 0), axis=1)  # [k] expert ids, best first
-    chosen = jax.lax.broadcasted_iota(jnp.int32, (top_k, n_exp), 1) == top.reshape(top_k, 1)  # [k, E]
+    chosen = jax.lax.broadcasted_iota(jnp.int32, (top_k, scores.shape[1]), 1) == top.reshape(top_k, 1)  # [k, E]
     wts = jnp.sum(jnp.where(chosen, scores, 0.0), axis=1).reshape(1, top_k)  # raw scores
     if renormalize:
         wts = wts / (jnp.sum(wts, axis=1)[:, None] + 1e-20)
     return wts * scaling, top.reshape(1, top_k)
 
 
-def token_routing(p_ref, b_ref, t, **cfg):
-    """Token t's routing from the GEMV's partial logits p_ref [KS, T, E] f32 and the bias b_ref [E] f32, inside a
-    kernel: (weights [1, k] f32, ids [1, k] int32)."""
+def _token_logits(p_ref, t):
     row = pl.ds(t, 1)
     logits = p_ref[0, row, :]
     for s in range(1, p_ref.shape[0]):
         logits = logits + p_ref[s, row, :]
-    return select_token(logits, b_ref[...], **cfg)
+    return logits
+
+
+def token_routing(p_ref, b_ref, t, **cfg):
+    """Token t's routing from the GEMV's partial logits p_ref [KS, T, E] f32 and the bias b_ref [E] f32, inside a
+    kernel: (weights [1, k] f32, ids [1, k] int32)."""
+    return select_token(_token_logits(p_ref, t), b_ref[...], **cfg)
+
+
+def token_expert(p_ref, b_ref, j, *, n_group, topk_group, top_k, scaling, renormalize):
+    """Token 0's j-th expert (int32 scalar, j traced), the same id as token_routing's ids[0, j], without the
+    weights: the decode's up programs each need only their own expert (on the H200 the weights took ~1.3 of
+    the selection's ~3 µs in every program; bench/results/moe_h200_2026-12-01_run6.md)."""
+    del scaling, renormalize
+    _, ci, rank = _ranked_heads(_token_logits(p_ref, 0), b_ref[...], n_group=n_group, topk_group=topk_group,
+                                top_k=top_k)
+    return jnp.sum(jnp.where(rank == j, ci, 0))
 
 
 def _select_kernel(p_ref, b_ref, w_ref, e_ref, **cfg):
