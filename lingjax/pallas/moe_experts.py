@@ -40,9 +40,9 @@ F32 = jnp.float32
 # the kernel: Triton keeps num_stages - 1 tiles of each operand in flight.
 SHARED_MEMORY_BUDGET = 200 * 1024
 MIN_DOT_ROWS = 16  # a Triton dot's smallest tile dimension
-# The decode's shared expert on twice the up programs at half width (see _expert_launches): on the H200 the
-# T = 1 layer 0.4-0.6 µs faster at I = 768 and 384 with the routed programs selecting only their own expert
-# (bench/results/moe_h200_2026-12-01_run6.md)
+# The decode's shared expert on twice the up programs at half width (see _expert_launches): on the H200, with
+# the routed programs ranking only their own expert, the T = 1 layer 0.2-0.7 µs faster at I = 768 and 384
+# (two processes; bench/results/moe_h200_2026-12-01_run6.md)
 SHARED_SPLIT = 2
 
 
@@ -243,11 +243,13 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
     lingjax.ops.moe.routed_experts, [T, D] f32 (`shared`, `shared_limit` as in fused_experts).
 
     At T = 1 routing costs no launch of its own: after the router's GEMV launch (partial logits), every
-    program of the up kernel that reads a routed expert sums the partials and selects the token's experts
-    itself (lingjax.pallas.moe_router.token_routing, the select kernel's own code, so the same bits), takes
-    the b-th, and program (0, 0) hands the routing to the down kernel. On the H200 a Flash layer took 42.3
-    µs this way against 43.5 with the select launch, measured interleaved in one process
-    (bench/results/moe_h200_2026-12-01_run3.md). Its up kernel steps K by 256 at 3 stages and reads x's one
+    program of the up kernel that reads a routed expert sums the partials and ranks the token's experts
+    itself, taking the b-th (lingjax.pallas.moe_router.token_expert, the select kernel's own ranking, so the
+    same ids), and the first shared-expert program, once its tile is done, computes the whole routing
+    (token_routing) for the down kernel. On the H200 a Flash layer took 42.3 µs this way against 43.5 with the
+    select launch, measured interleaved in one process (bench/results/moe_h200_2026-12-01_run3.md); the
+    selection takes ~3 µs of every routed program, while the shared expert's programs (SHARED_SPLIT) stream
+    (bench/results/moe_h200_2026-12-01_run6.md). Its up kernel steps K by 256 at 3 stages and reads x's one
     row, in I tiles that make one wave of programs (one_token_tiles): 0.5-1.2 µs less a layer than the default
     tiles at TP1 and 1.4 at TP2's width (bench/results/moe_h200_2026-12-01_run5.md; at T = 6 the same up tiles
     took 1.2 µs more than the defaults, run4, so the verify keeps those). Above

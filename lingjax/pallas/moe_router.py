@@ -8,7 +8,8 @@ Two launches, both tiny:
   2. Selection, one token per program of 4 warps (select="vector", the default; `token_routing`): sum the
      K-split partials, sigmoid, add the bias for selection only, top-2 sum per group, keep the top `topk_group`
      groups, top-k experts, weights from the raw scores, renormalise, scale. At T = 1 the model runs no select
-     launch: lingjax.pallas.moe_experts.routed_experts calls `token_routing` inside its up kernel. Building
+     launch: lingjax.pallas.moe_experts.routed_experts ranks the token's experts inside its up kernel
+     (`token_expert`, `token_routing`). Building
      the experts' align plan in this kernel too (one program over all tokens) was tried and measured slower
      than router + a separate align launch (T = 6 on the H200: 37.1 vs 27.7 µs,
      bench/results/moe_h200_2026-11-29_run3.md).
@@ -192,8 +193,8 @@ def token_routing(p_ref, b_ref, t, **cfg):
 
 def token_expert(p_ref, b_ref, j, *, n_group, topk_group, top_k, scaling, renormalize):
     """Token 0's j-th expert (int32 scalar, j traced), the same id as token_routing's ids[0, j], without the
-    weights: the decode's up programs each need only their own expert (on the H200 the weights took ~1.3 of
-    the selection's ~3 µs in every program; bench/results/moe_h200_2026-12-01_run6.md)."""
+    weights: each of the decode's up programs needs only its own expert, and the ranking, picks and weights
+    took ~1.25 of the selection's ~3 µs in every program on the H200 (bench/results/moe_h200_2026-12-01_run6.md)."""
     del scaling, renormalize
     _, ci, rank = _ranked_heads(_token_logits(p_ref, 0), b_ref[...], n_group=n_group, topk_group=topk_group,
                                 top_k=top_k)
