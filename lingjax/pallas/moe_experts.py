@@ -285,8 +285,8 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     bn_down, bk_down = pow2_tile(d, tiles["bn_down"]), pow2_tile(i_dim, tiles["bk_down"])
     slots = nb * block_m if routing else plan[0].shape[0]
     ns = 0 if shared is None else pl.cdiv(t, block_m)  # shared-expert blocks
-    # at T = 1 the shared expert's block runs on SHARED_SPLIT times the programs, each half as wide: they stream
-    # while the routed programs select and leave the bandwidth to them sooner
+    # at T = 1 the shared expert's block runs on SHARED_SPLIT times the programs, each 1/SHARED_SPLIT as wide:
+    # they stream while the routed programs select, and leave the bandwidth to them sooner
     split = SHARED_SPLIT if routing and ns and bn_up // SHARED_SPLIT >= MIN_DOT_ROWS else 1
 
     def params(warps, stages, per_stage_bytes):  # per stage: one K step's tiles of both operands
