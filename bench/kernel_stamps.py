@@ -110,12 +110,12 @@ class Probe:
                 for axis, size in enumerate(grid):
                     pid = pid * size + pl.program_id(axis)
                 start_g, start_c, sm = stamp(pid)
-                wait_p.bind()
+                wait_p.bind()  # the wait lingjax.pallas.pallas_call puts first, here between two stamps
                 wait_g, wait_c, _ = stamp(pid)
                 self._at = (ts_ref, pid)
                 kernel(*refs[:-1])
                 self._at = None
-                if target.platform() == "gpu":
+                if not kw.get("interpret"):
                     pltriton.debug_barrier()  # every thread's stores issued before the end stamp
                 end_g, end_c, _ = stamp(pid)
                 _store(ts_ref, pid, 0, (sm, start_g, start_c, wait_g, wait_c, end_g, end_c, 0))
