@@ -331,10 +331,10 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     # f32 sum over the k slots, in slot order as a chain of adds: on the H200 a reduce here summed in an order
     # that changed with T, so a token's row differed between a decode and a verify (lingjax/model.py, row
     # invariance; bench/results/moe_h200_2026-12-01_run4.md)
-    slots = y[:npairs].reshape(t, top_k, d)
-    out = slots[:, 0]
+    per_slot = y[:npairs].reshape(t, top_k, d)
+    out = per_slot[:, 0]
     for j in range(1, top_k):
-        out = out + slots[:, j]
+        out = out + per_slot[:, j]
     return out + y[npairs + 1:] if ns else out
 
 
