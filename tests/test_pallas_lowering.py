@@ -16,6 +16,7 @@ from jax._src.pallas.triton import gpu_info
 
 from lingjax.pallas.grid_dependency import WAIT_ASM
 from lingjax.pallas.kda_chain import kda_chain_verify
+from lingjax.pallas.l2_prefetch import PREFETCH_ASM
 from lingjax.pallas.kda_prefill import kda_chunked_prefill
 from lingjax.pallas.mla_decode import mla_decode_attention
 from lingjax.pallas.moe_align import moe_align
@@ -61,9 +62,15 @@ def test_moe_kernels_lower(tokens):
     assert _triton_calls(align, S((ROWS, K), I32)) == 1
     routed = functools.partial(routed_experts, limit=4.0, top_k=K, n_group=8, topk_group=4, scaling=2.5,
                                renormalize=True, tokens=tokens, shared_limit=7.0, interpret=False)
-    n = _triton_calls(lambda x, r, b, *a: routed(x, r, b, *a[:3], shared=a[3:]), S((ROWS, D), BF), S((E, D), BF),
-                      S((E,), F32), *weights, *shared)
+    layer = (S((ROWS, D), BF), S((E, D), BF), S((E,), F32), *weights)
+    n = _triton_calls(lambda x, r, b, *a: routed(x, r, b, *a[:3], shared=a[3:]), *layer, *shared)
     assert n == (3 if tokens == 1 else 5)  # GEMV, up (routing inside), down (+ select and align above T = 1)
+    # a decode's up programs prefetch the shared expert's weights into L2 (lingjax.pallas.l2_prefetch); nothing
+    # else prefetches
+    prefetches = lambda fn, *a: jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",)).as_text().count(
+        PREFETCH_ASM)
+    assert prefetches(lambda x, r, b, *a: routed(x, r, b, *a[:3], shared=a[3:]), *layer, *shared) == (tokens == 1)
+    assert prefetches(routed, *layer) == 0
 
 
 @pytest.mark.parametrize("tokens,opts", [(1, {}), (4, {}), (16, {}), (4, dict(row_loop=False)),

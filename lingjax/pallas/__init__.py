@@ -7,7 +7,8 @@ token); and skinny_linear (projections at 16 rows), measured but not in the kern
 why). lingjax/kernels.py maps each onto the reference op it replaces; `lingjax.load(..., kernels="pallas")`
 selects them.
 Every kernel is launched through `pallas_call` below, which starts it with griddepcontrol.wait
-(grid_dependency: the step programs run with programmatic dependent launch).
+(grid_dependency: the step programs run with programmatic dependent launch). l2_prefetch: an L2 prefetch
+primitive for kernels (the decode's up kernel pulls the shared expert's weights ahead of its reads).
 """
 
 import jax

@@ -32,8 +32,10 @@ from jax.experimental.pallas import triton as pltriton
 from lingjax.pallas import dot_nt, pallas_call, pow2_tile, reads_one_row, resolve_interpret, x_rows
 
 from lingjax.ops.moe import experts_gathered  # the reference
+from lingjax.pallas.l2_prefetch import lines_per_program, prefetch_share
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
-from lingjax.pallas.moe_router import check_routing, partial_logits, route, token_expert, token_routing
+from lingjax.pallas.moe_router import (check_routing, partial_logits, route, token_expert, token_logits,
+                                      token_routing)
 
 F32 = jnp.float32
 # Shared memory a pipelined K loop may take on an H200 (232448 B per block), less room for the rest of
@@ -61,7 +63,7 @@ def _swiglu(g, u, limit):
 
 
 def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
-               shared_limit, routing, x_row, shared_split):
+               shared_limit, routing, x_row, shared_split, prefetch_lines):
     # plan_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
     # x_ref [R ≥ T, D] (rows past T unread); wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
     # h_ref [S (+ shared blocks · BM), I] in x's dtype.
@@ -69,6 +71,8 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
     # block b's program selects the token's b-th expert itself, and one program publishes the routing, w_ref
     # [1, k] f32 and e_ref [1, k] int32, for the down kernel.
     # shared_split (T = 1): the shared expert's rows over shared_split times the programs, bn / shared_split wide.
+    # prefetch_lines (T = 1): lines of the shared gate and up weights each routed program pulls into L2 before
+    # it selects.
     if routing:
         *shared, h_ref, w_ref, e_ref = rest
     else:
@@ -91,7 +95,12 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
     if routing:
         @pl.when(b < nb)
         def _():
-            expert = token_expert(plan_ref, blk_ref, b, **dict(routing))
+            logits, bias = token_logits(plan_ref, 0), blk_ref[...]
+            # DRAM would idle while these programs select: once their own loads are issued, they pull the shared
+            # expert's gate and up weights into L2 for the shared programs (lingjax.pallas.l2_prefetch)
+            for ref in shared if prefetch_lines else ():
+                prefetch_share(ref, b * pl.num_programs(1) + n, prefetch_lines)
+            expert = token_expert(logits, bias, b, **dict(routing))
             tok = jnp.zeros((block_m,), jnp.int32)
             block(tok, slots, cols, lambda ks: wg_ref[expert, cols, ks], lambda ks: wu_ref[expert, cols, ks], limit)
     else:
@@ -248,8 +257,10 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
     same ids), and the first shared-expert program, once its tile is done, computes the whole routing
     (token_routing) for the down kernel. On the H200 a Flash layer took 42.3 µs this way against 43.5 with the
     select launch, measured interleaved in one process (bench/results/moe_h200_2026-12-01_run3.md); the
-    selection takes ~3 µs of every routed program, while the shared expert's programs (SHARED_SPLIT) stream
-    (bench/results/moe_h200_2026-12-01_run6.md). Its up kernel steps K by 256 at 3 stages and reads x's one
+    selection takes ~2-3 µs of every routed program, while the shared expert's programs (SHARED_SPLIT) stream
+    (bench/results/moe_h200_2026-12-01_run6.md) from L2: the routed programs prefetch the shared gate and up
+    weights there once they have issued their own loads (lingjax.pallas.l2_prefetch; 0.4-0.9 µs a layer at
+    I = 768, bench/results/moe_h200_2026-12-01_run7.md). Its up kernel steps K by 256 at 3 stages and reads x's one
     row, in I tiles that make one wave of programs (one_token_tiles): 0.5-1.2 µs less a layer than the default
     tiles at TP1 and 1.4 at TP2's width (bench/results/moe_h200_2026-12-01_run5.md; at T = 6 the same up tiles
     took 1.2 µs more than the defaults, run4, so the verify keeps those). Above
@@ -288,6 +299,8 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     # at T = 1 the shared expert's block runs on SHARED_SPLIT times the programs, each 1/SHARED_SPLIT as wide:
     # they stream while the routed programs select, and leave the bandwidth to them sooner
     split = SHARED_SPLIT if routing and ns and bn_up // SHARED_SPLIT >= MIN_DOT_ROWS else 1
+    # at T = 1 the routed programs, nb x I tiles, share the shared expert's gate and up weights to prefetch
+    prefetch_lines = lines_per_program(shared[:2], nb * (i_dim // bn_up)) if routing and ns else 0
 
     def params(warps, stages, per_stage_bytes):  # per stage: one K step's tiles of both operands
         stages = _stages_within(stages, per_stage_bytes)
@@ -303,7 +316,7 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     h, *routed = pallas_call(
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
                           limit=float(limit), shared_limit=float(shared_limit), routing=routing,
-                          x_row=reads_one_row(t, bk_up, x.dtype), shared_split=split),
+                          x_row=reads_one_row(t, bk_up, x.dtype), shared_split=split, prefetch_lines=prefetch_lines),
         out_shape=out_shape,
         grid=(nb + ns * split, i_dim // bn_up),
         compiler_params=params(tiles["warps_up"], tiles["stages_up"], up_stage),

@@ -177,7 +177,8 @@ def select_token(logits, bias, *, n_group, topk_group, top_k, scaling, renormali
     return wts * scaling, top.reshape(1, top_k)
 
 
-def _token_logits(p_ref, t):
+def token_logits(p_ref, t):
+    """Token t's logits [1, E] f32 inside a kernel: the sum of the GEMV's partials p_ref [KS, T, E] in K order."""
     row = pl.ds(t, 1)
     logits = p_ref[0, row, :]
     for s in range(1, p_ref.shape[0]):
@@ -188,16 +189,16 @@ def _token_logits(p_ref, t):
 def token_routing(p_ref, b_ref, t, **cfg):
     """Token t's routing from the GEMV's partial logits p_ref [KS, T, E] f32 and the bias b_ref [E] f32, inside a
     kernel: (weights [1, k] f32, ids [1, k] int32)."""
-    return select_token(_token_logits(p_ref, t), b_ref[...], **cfg)
+    return select_token(token_logits(p_ref, t), b_ref[...], **cfg)
 
 
-def token_expert(p_ref, b_ref, j, *, n_group, topk_group, top_k, scaling, renormalize):
-    """Token 0's j-th expert (int32 scalar, j traced), the same id as token_routing's ids[0, j], without the
-    weights: each of the decode's up programs needs only its own expert, and the ranking, picks and weights
-    took ~1.25 of the selection's ~3 µs in every program on the H200 (bench/results/moe_h200_2026-12-01_run6.md)."""
+def token_expert(logits, bias, j, *, n_group, topk_group, top_k, scaling, renormalize):
+    """The j-th expert (int32 scalar, j traced) of a token's logits [1, E] f32 (token_logits) and the bias [E]
+    f32, the same id as token_routing's ids[0, j], without the weights: each of the decode's up programs needs
+    only its own expert, and the ranking, picks and weights took ~1.25 of the selection's ~3 µs in every program
+    on the H200 (bench/results/moe_h200_2026-12-01_run6.md)."""
     del scaling, renormalize
-    _, ci, rank = _ranked_heads(_token_logits(p_ref, 0), b_ref[...], n_group=n_group, topk_group=topk_group,
-                                top_k=top_k)
+    _, ci, rank = _ranked_heads(logits, bias, n_group=n_group, topk_group=topk_group, top_k=top_k)
     return jnp.sum(jnp.where(rank == j, ci, 0))
 
 
