@@ -7,7 +7,8 @@ selection (moe_router.token_expert) and at its end (after a CTA barrier: every t
 bench/moe_bench.py's 8 cold Flash-size layers run chained, as the model runs them (each input depends on the
 previous layer's output; independent layers let XLA launch all the GEMVs first). It prints, per launch and
 program group, the spread of starts, selections and ends in µs from the layer's first GEMV program, and each
-program's phases from its SM clock: medians over layers 1-6 and 6 runs.
+program's phases from its SM clock: medians over layers 1-6 and 6 runs; then the layers' period (first GEMV
+program to the next layer's) against the layer's byte floor at a read probe's bandwidth measured in the same run.
 
     python bench/kernel_stamps.py                 # Flash's experts at TP1 (I = 768)
     python bench/kernel_stamps.py --i-dim 384     # a TP2 device's expert width
@@ -44,6 +45,7 @@ import lingjax.pallas.moe_router as moe_router  # noqa: E402
 from lingjax import target  # noqa: E402
 from lingjax.pallas.grid_dependency import wait_p  # noqa: E402
 from lingjax.runtime import step_compiler_options  # noqa: E402
+from measure import read_bandwidth  # noqa: E402
 from moe_bench import FLASH_DIMS, LIMIT, ROUTING, SHARED_LIMIT, make_layer  # noqa: E402
 
 PROBED = ("moe_router_gemv", "moe_up_select", "moe_down_combine")
@@ -204,6 +206,13 @@ def phases(runs, routed_programs, clock_ghz):
     return out
 
 
+def periods(runs):
+    """µs from the first GEMV program of each of layers 1..n-2 to the next layer's, in every run: a chained layer's
+    time on the device, with the glue between layers and without a host loop's."""
+    first = lambda layer: int(np.asarray(layer["moe_router_gemv"])[:, COL["start_g"]].astype(np.int64).min())
+    return [((first(b) - first(a)) % 2**32) / 1e3 for tables in runs for a, b in zip(tables[1:-1], tables[2:])]
+
+
 def clock_ghz(runs):
     """The SM clock's rate against globaltimer over programs that ran ≥ 3 µs (1.0 when none did: the CPU)."""
     rates = []
@@ -252,6 +261,13 @@ def main(argv=None):
     for r in ["programs", "SMs"] + points + spans:
         fmt = (lambda v: f"{v:.0f}") if r in ("programs", "SMs") else (lambda v: f"{v:.2f}")
         print(f"| {r} | " + " | ".join(fmt(np.median(table[k][r])) if r in table[k] else "" for k in keys) + " |")
+    # the byte floor as moe_bench counts it: T = 1 touches top_k distinct experts, plus the shared one and the router
+    nbytes = ((ROUTING["top_k"] + 1) * 3 * i * d + e * d) * jnp.dtype(jnp.bfloat16).itemsize
+    bw = max(read_bandwidth(1 << 19) if interpret else read_bandwidth() for _ in range(2))
+    period = float(np.median(periods(runs)))
+    print(f"\nlayer period (first GEMV program to the next layer's): median {period:.2f} µs = "
+          f"{period / (nbytes / bw * 1e6):.2f}x its byte floor ({nbytes / 1e6:.1f} MB at the read probe's "
+          f"{bw / 1e12:.2f} TB/s, the larger of two)")
     return 0 if same else 1
 
 

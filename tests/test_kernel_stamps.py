@@ -1,5 +1,6 @@
 """bench/kernel_stamps.py: the probed T = 1 layer equals the unprobed one, the patches come off, and the
-report's arithmetic (spreads from the first GEMV program, per-program phases, 32-bit wraparound) is right."""
+report's arithmetic (spreads from the first GEMV program, per-program phases, layer periods, 32-bit wraparound)
+is right."""
 
 import sys
 from pathlib import Path
@@ -55,3 +56,14 @@ def test_phases_from_synthetic_stamps():
     assert med(shared, "work µs median") == 7.49 and med(shared, "programs") == 2
     assert "select min" not in table[shared]  # only the routed programs select
     assert med(("moe_down_combine", "all"), "end max") == 16.0 and med(("moe_down_combine", "all"), "SMs") == 2
+
+
+def test_periods_between_chained_layers():
+    def layer(first_ns):
+        return {"moe_router_gemv": _table(2, first_ns + np.array([40, 0]), first_ns + 5, first_ns + 900)}
+
+    base = 2**32 - 20_000  # the second period wraps
+    runs = [[layer(base), layer(base + 10_000), layer(base + 46_500), layer(base + 83_000)]]
+    assert ks.periods(runs) == pytest.approx([36.5, 36.5])  # layers 1 and 2 to their next (layer 0 warms up)
+    runs.append([layer(0), layer(1_000), layer(38_000), layer(80_000), layer(90_000)])
+    assert ks.periods(runs) == pytest.approx([36.5, 36.5, 37.0, 42.0, 10.0])
