@@ -15,7 +15,8 @@ program to the next layer's) against the layer's byte floor at a read probe's ba
     python bench/kernel_stamps.py --smoke         # tiny dims in interpret mode (every stamp reads 0): a CPU check
 
 %globaltimer ticks every 32 ns on the H200. A probe adds a barrier and a few stores a program; the probed
-layer's output is checked bit-equal to the unprobed one's. Results: bench/results/moe_h200_2026-12-01_run6.md.
+layer's output is checked bit-equal to the unprobed one's. Results: bench/results/moe_h200_2026-12-01_run6.md,
+run7 (the period).
 """
 
 from __future__ import annotations

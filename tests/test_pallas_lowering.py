@@ -16,8 +16,8 @@ from jax._src.pallas.triton import gpu_info
 
 from lingjax.pallas.grid_dependency import WAIT_ASM
 from lingjax.pallas.kda_chain import kda_chain_verify
-from lingjax.pallas.l2_prefetch import PREFETCH_ASM
 from lingjax.pallas.kda_prefill import kda_chunked_prefill
+from lingjax.pallas.l2_prefetch import PREFETCH_ASM
 from lingjax.pallas.mla_decode import mla_decode_attention
 from lingjax.pallas.moe_align import moe_align
 from lingjax.pallas.moe_experts import fused_experts, routed_experts
