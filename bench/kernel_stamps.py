@@ -173,6 +173,11 @@ def chained_layers(layers, xs, interpret, probe=None):
     return jax.jit(run, compiler_options=None if interpret else step_compiler_options())
 
 
+def _first_gemv_start(layer) -> int:
+    """A layer's reference time: its first GEMV program's start (globaltimer, low 32 bits as stored)."""
+    return int(np.asarray(layer["moe_router_gemv"])[:, COL["start_g"]].astype(np.int64).min())
+
+
 def phases(runs, routed_programs, clock_ghz):
     """{(launch, group): {phase: [value per layer and run]}} in µs: spreads from the layer's first GEMV start
     (globaltimer), per-program durations from the SM clock."""
@@ -181,7 +186,7 @@ def phases(runs, routed_programs, clock_ghz):
     out = {}
     for tables in runs:
         for layer in tables[1:-1]:
-            ref = int(layer["moe_router_gemv"][:, COL["start_g"]].astype(np.int64).min())
+            ref = _first_gemv_start(layer)
             for name, ts in layer.items():
                 ts = np.asarray(ts)
                 groups = {"all": ts}
@@ -210,8 +215,8 @@ def phases(runs, routed_programs, clock_ghz):
 def periods(runs):
     """µs from the first GEMV program of each of layers 1..n-2 to the next layer's, in every run: a chained layer's
     time on the device, with the glue between layers and without a host loop's."""
-    first = lambda layer: int(np.asarray(layer["moe_router_gemv"])[:, COL["start_g"]].astype(np.int64).min())
-    return [((first(b) - first(a)) % 2**32) / 1e3 for tables in runs for a, b in zip(tables[1:-1], tables[2:])]
+    return [((_first_gemv_start(b) - _first_gemv_start(a)) % 2**32) / 1e3
+            for tables in runs for a, b in zip(tables[1:-1], tables[2:])]
 
 
 def clock_ghz(runs):

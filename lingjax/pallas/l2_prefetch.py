@@ -45,18 +45,22 @@ def _discharge(ctx, ref, offsets):  # interpret mode: the ref is unchanged, noth
     return (None, None), []
 
 
-
 @triton_lowering.register_lowering(prefetch_p)
 def _triton_lowering(ctx, ptr, offsets):
     del ctx
     shape = ir.RankedTensorType(offsets.type).shape
-    addresses = tt_dialect.addptr(ir.RankedTensorType.get(shape, ptr.type), tt_dialect.splat(
-        ir.RankedTensorType.get(shape, ptr.type), ptr), offsets)
+    pointers = ir.RankedTensorType.get(shape, ptr.type)
+    addresses = tt_dialect.addptr(pointers, tt_dialect.splat(pointers, ptr), offsets)
     # Triton's inline asm needs a result: a register written and never read
     i32 = ir.RankedTensorType.get(shape, ir.IntegerType.get_signless(32))
     tt_dialect.elementwise_inline_asm([i32], PREFETCH_ASM + "\n\tmov.u32 $0, 0;", constraints="=r,l",
                                       pure=False, packed_element=1, args=[addresses])
     return []
+
+
+def _line_count(shape, dtype) -> int:
+    """128-byte lines an array of `shape` and `dtype` spans, the last one partial."""
+    return -(-math.prod(shape) * jnp.dtype(dtype).itemsize // LINE_BYTES)
 
 
 def share_lines(part, lines: int, total: int):
@@ -69,7 +73,7 @@ def prefetch_share(ref, part, lines: int):
     """Inside a kernel: prefetch the `part`-th (traced) run of `lines` (a power of 2: a Triton tensor) 128-byte
     lines of ref, a contiguous array ref; runs past its end issue nothing."""
     per_line = LINE_BYTES // ref.dtype.itemsize
-    total = -(-math.prod(ref.shape) // per_line)
+    total = _line_count(ref.shape, ref.dtype)
 
     @pl.when(part * lines < total)
     def _():
@@ -78,5 +82,5 @@ def prefetch_share(ref, part, lines: int):
 
 def lines_per_program(arrays, parts: int) -> int:
     """The power-of-2 line count a program prefetches so that `parts` programs cover each of the arrays."""
-    most = max(-(-math.prod(a.shape) * a.dtype.itemsize // LINE_BYTES) for a in arrays)
+    most = max(_line_count(a.shape, a.dtype) for a in arrays)
     return 1 << (-(-most // parts) - 1).bit_length()

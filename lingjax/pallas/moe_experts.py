@@ -71,8 +71,8 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
     # block b's program selects the token's b-th expert itself, and one program publishes the routing, w_ref
     # [1, k] f32 and e_ref [1, k] int32, for the down kernel.
     # shared_split (T = 1): the shared expert's rows over shared_split times the programs, bn / shared_split wide.
-    # prefetch_lines (T = 1): lines of the shared gate and up weights each routed program pulls into L2 before
-    # it selects.
+    # prefetch_lines (T = 1, with a shared expert): lines of the shared gate and up weights each routed program
+    # pulls into L2 before it selects.
     if routing:
         *shared, h_ref, w_ref, e_ref = rest
     else:
@@ -98,7 +98,7 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
             logits, bias = token_logits(plan_ref, 0), blk_ref[...]
             # DRAM would idle while these programs select: once their own loads are issued, they pull the shared
             # expert's gate and up weights into L2 for the shared programs (lingjax.pallas.l2_prefetch)
-            for ref in shared if prefetch_lines else ():
+            for ref in shared:
                 prefetch_share(ref, b * pl.num_programs(1) + n, prefetch_lines)
             expert = token_expert(logits, bias, b, **dict(routing))
             tok = jnp.zeros((block_m,), jnp.int32)
