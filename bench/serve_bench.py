@@ -38,7 +38,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="mid", help="preset or checkpoint directory")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kernels", default="xla")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"],
+                    help="auto (lingjax.load's default): Pallas on a GPU, the XLA references elsewhere")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--router-precision", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--spec", default=None, choices=[None, "nextn"])
@@ -88,7 +89,7 @@ def main():
     accept = sum(sum(r.accept_lens) for _, r in results) / rounds if rounds else 1.0
     mean_tpot = statistics.fmean(tpots)
     lines = [
-        f"# serve_bench: {args.model}, {args.dtype}, kernels={args.kernels}, router {args.router_precision}, tp={args.tp}, "
+        f"# serve_bench: {args.model}, {args.dtype}, kernels={model.kernels}, router {args.router_precision}, tp={args.tp}, "
         f"spec={args.spec or 'none'}{f' (S={args.steps})' if args.spec else ''}, {args.rounds_per_call} per call",
         f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} x{args.tp}, jax {jax.__version__}; "
         f"prompt {args.prompt_len} (prefill chunks of {args.prefill_chunk}), output {args.output_len}, concurrency 1, "

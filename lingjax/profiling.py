@@ -36,8 +36,8 @@ CATEGORIES = ("MoE experts", "router/glue", "all-reduce", "dense GEMM", "KDA", "
 _COLLECTIVE = re.compile(r"all-reduce|allreduce|psum|all-gather|allgather|reduce-scatter|reducescatter|nccl", re.I)
 _GEMM = re.compile(r"gemm|gemv|cutlass|xmma|cublas|nvjet|matmul|dot", re.I)
 _DENSE_SCOPES = {"kda_proj", "kda_gate", "kda_out", "mla_proj", "mla_out", "dense_mlp", "lm_head", "eh_proj"}
-_PALLAS = ((re.compile(r"kda_"), "KDA"), (re.compile(r"moe_(up|down)"), "MoE experts"),
-           (re.compile(r"moe_(router|align)"), "router/glue"))
+_PALLAS = ((re.compile(r"kda_"), "KDA"), (re.compile(r"mla_"), "MLA attention"),
+           (re.compile(r"moe_(up|down)"), "MoE experts"), (re.compile(r"moe_(router|align)"), "router/glue"))
 _OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"')
 
 

@@ -22,7 +22,7 @@ ENTRY %main {
 
 
 def _trace(tmp_path):
-    """Two GPUs; GPU 0 runs 5 kernels on two streams over [0, 100) µs with 30 µs idle, plus a
+    """Two GPUs; GPU 0 runs 6 kernels on two streams over [0, 100) µs with 30 µs idle, plus a
     derived 'XLA Ops' line that must not be counted again."""
     meta = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
@@ -42,6 +42,7 @@ def _trace(tmp_path):
         kernel(1, 7, 0, 20, "nvjet_hsh_64x8_gemm", "fusion.1"),  # dense GEMM
         kernel(1, 7, 20, 10, "loop_multiply_fusion", "fusion.2"),  # glue in a dense scope
         kernel(1, 8, 25, 10, "kda_chain_verify", "custom-call.3"),  # overlaps: union counts [20, 35) once
+        kernel(1, 7, 40, 5, "mla_decode_split", "command_buffer.9"),  # a Pallas kernel in a CUDA graph: no scope
         kernel(1, 7, 50, 15, "fused_experts_up", "custom-call.4"),
         kernel(1, 7, 85, 15, "ncclDevKernel_AllReduce_Sum_f32", "all-reduce.5"),
         kernel(1, 9, 0, 100, "fusion.1", "fusion.1"),  # derived line
@@ -57,12 +58,12 @@ def _trace(tmp_path):
 
 def test_census_categories_union_and_calibration(tmp_path):
     kernels = profiling.load_kernels(_trace(tmp_path))
-    assert sorted({k.device for k in kernels}) == [0, 1] and len(kernels) == 7
+    assert sorted({k.device for k in kernels}) == [0, 1] and len(kernels) == 8
     c = profiling.census(kernels, profiling.op_scopes(HLO), steps=2, real_step_s=40e-6)
     assert c.by_category_us == {"MoE experts": 7.5, "router/glue": 5.0, "all-reduce": 7.5, "dense GEMM": 10.0,
-                                "KDA": 5.0, "MLA attention": 0.0}
-    assert c.traced_step_us == 50.0 and c.busy_us == 32.5 and c.traced_idle_us == 17.5
-    assert c.real_idle_us == 7.5 and c.kernels_per_step == 2.5 and c.devices == 2
+                                "KDA": 5.0, "MLA attention": 2.5}
+    assert c.traced_step_us == 50.0 and c.busy_us == 35.0 and c.traced_idle_us == 15.0
+    assert c.real_idle_us == 5.0 and c.kernels_per_step == 3.0 and c.devices == 2
     assert c.peer_wait_us == 3.0  # 6 µs over 2 steps
     assert c.collective_gap_us == 10.0  # of the idle [35, 50) and [65, 85), the gap before the all-reduce
     assert profiling.peer_wait_us([k for k in kernels if k.device == 0]) is None
