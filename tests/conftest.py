@@ -7,9 +7,9 @@ import tempfile
 import zlib
 from pathlib import Path
 
-# Four fake CPU devices for the tensor-parallel tests (must be set before jax initialises; xdist workers
-# inherit it from the controller).
-_DEVICES_FLAG = "--xla_force_host_platform_device_count=4"
+# Eight fake CPU devices for the tensor-parallel tests, up to TP8 (must be set before jax initialises;
+# xdist workers inherit it from the controller).
+_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
 
