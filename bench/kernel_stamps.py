@@ -47,7 +47,7 @@ from lingjax import target  # noqa: E402
 from lingjax.pallas.grid_dependency import wait_p  # noqa: E402
 from lingjax.runtime import step_compiler_options  # noqa: E402
 from measure import read_bandwidth  # noqa: E402
-from moe_bench import FLASH_DIMS, LIMIT, ROUTING, SHARED_LIMIT, make_layer  # noqa: E402
+from moe_bench import FLASH_DIMS, LIMIT, ROUTING, SHARED_LIMIT, layer_bytes, make_layer  # noqa: E402
 
 PROBED = ("moe_router_gemv", "moe_up_select", "moe_down_combine")
 # a program's row of the extra output: (globaltimer, clock) pairs after its SM id
@@ -173,6 +173,11 @@ def chained_layers(layers, xs, interpret, probe=None):
     return jax.jit(run, compiler_options=None if interpret else step_compiler_options())
 
 
+def _elapsed(later, earlier):
+    """Ticks from `earlier` to `later` of a stamp's 32-bit counters (low 32 bits as stored), across a wrap."""
+    return (np.asarray(later).astype(np.int64) - np.asarray(earlier).astype(np.int64)) % 2**32
+
+
 def _first_gemv_start(layer) -> int:
     """A layer's reference time: its first GEMV program's start (globaltimer, low 32 bits as stored)."""
     return int(np.asarray(layer["moe_router_gemv"])[:, COL["start_g"]].astype(np.int64).min())
@@ -182,7 +187,7 @@ def phases(runs, routed_programs, clock_ghz):
     """{(launch, group): {phase: [value per layer and run]}} in µs: spreads from the layer's first GEMV start
     (globaltimer), per-program durations from the SM clock."""
     since = lambda v, ref: ((v.astype(np.int64) - ref + 2**31) % 2**32 - 2**31) / 1e3
-    cycles = lambda t, a, b: ((t[:, COL[b]].astype(np.int64) - t[:, COL[a]]) % 2**32) / (clock_ghz * 1e3)
+    cycles = lambda t, a, b: _elapsed(t[:, COL[b]], t[:, COL[a]]) / (clock_ghz * 1e3)
     out = {}
     for tables in runs:
         for layer in tables[1:-1]:
@@ -215,7 +220,7 @@ def phases(runs, routed_programs, clock_ghz):
 def periods(runs):
     """µs from the first GEMV program of each of layers 1..n-2 to the next layer's, in every run: a chained layer's
     time on the device, with the glue between layers and without a host loop's."""
-    return [((_first_gemv_start(b) - _first_gemv_start(a)) % 2**32) / 1e3
+    return [_elapsed(_first_gemv_start(b), _first_gemv_start(a)) / 1e3
             for tables in runs for a, b in zip(tables[1:-1], tables[2:])]
 
 
@@ -225,9 +230,9 @@ def clock_ghz(runs):
     for tables in runs:
         for layer in tables:
             for ts in layer.values():
-                t = np.asarray(ts).astype(np.int64)
-                ns = (t[:, COL["end_g"]] - t[:, COL["start_g"]]) % 2**32
-                cyc = (t[:, COL["end_c"]] - t[:, COL["start_c"]]) % 2**32
+                t = np.asarray(ts)
+                ns = _elapsed(t[:, COL["end_g"]], t[:, COL["start_g"]])
+                cyc = _elapsed(t[:, COL["end_c"]], t[:, COL["start_c"]])
                 long = ns > 3000
                 rates += list(cyc[long] / ns[long])
     return float(np.median(rates)) if rates else 1.0
@@ -267,8 +272,7 @@ def main(argv=None):
     for r in ["programs", "SMs"] + points + spans:
         fmt = (lambda v: f"{v:.0f}") if r in ("programs", "SMs") else (lambda v: f"{v:.2f}")
         print(f"| {r} | " + " | ".join(fmt(np.median(table[k][r])) if r in table[k] else "" for k in keys) + " |")
-    # the byte floor as moe_bench counts it: T = 1 touches top_k distinct experts, plus the shared one and the router
-    nbytes = ((ROUTING["top_k"] + 1) * 3 * i * d + e * d) * jnp.dtype(jnp.bfloat16).itemsize
+    nbytes = layer_bytes(ROUTING["top_k"], d, i, e)  # T = 1 touches top_k distinct experts
     bw = max(read_bandwidth(1 << 19) if interpret else read_bandwidth() for _ in range(2))
     period = float(np.median(periods(runs)))
     print(f"\nlayer period (first GEMV program to the next layer's): median {period:.2f} µs = "

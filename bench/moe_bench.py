@@ -77,6 +77,12 @@ def kernel_us(fn, *args) -> dict:
     return {name: statistics.median(v) for name, v in per.items()}
 
 
+def layer_bytes(distinct, d, i, e):
+    """A layer's byte floor: the distinct routed experts and the shared one (gate, up, down) and the router
+    weight, in bf16."""
+    return ((distinct + 1) * 3 * i * d + e * d) * jnp.dtype(BF16).itemsize
+
+
 def make_layer(key, d, i, e):
     ks = jax.random.split(key, 8)
     w = lambda k, shape, fan_in: (jax.random.normal(k, shape, BF16) * fan_in**-0.5).astype(BF16)
@@ -203,7 +209,7 @@ def main():
         ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in rates.items())
         + f"; floors use the largest, {bw / 1e12:.2f} TB/s")
     layers = [make_layer(jax.random.key(10 + l), d, i, e) for l in range(n_layers)]
-    expert_b, router_b = 3 * i * d * 2, e * d * 2
+    router_b = e * d * jnp.dtype(BF16).itemsize
 
     # (3) router variants, alone and with the align launch (what the expert kernels need at T > 1), in-graph
     say("\n## router variants (per layer, in-graph over %d layers; floor: router weight %.2f MB bf16 = %.2f µs)"
@@ -273,7 +279,7 @@ def main():
                          (lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"]), None),
                          (model_path, None), (model_path, step_opts[0]), (model_path, step_opts[1])):
             res.append(median_seconds(loop_over_layers(fn, n_iter, opts), layers, xs, reps=reps) / (n_iter * n_layers))
-        rows.append((t, dist, (dist + 1) * expert_b + router_b, glue_per_t[t], res))
+        rows.append((t, dist, layer_bytes(dist, d, i, e), glue_per_t[t], res))
         breakdown[t] = kernel_us(loop_over_layers(model_path, max(1, n_iter // 4)), layers, xs)
     # a floor the layers beat is no floor: the probes above have read slower than the T = 16 layer streams
     # (bench/results/moe_h200_2026-12-01_run3.md), so the layers' own best rate joins them
