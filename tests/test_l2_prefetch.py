@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from conftest import key_for
 from lingjax.pallas.l2_prefetch import LINE_BYTES, lines_per_program, prefetch_share, share_lines
 
 
@@ -32,8 +33,8 @@ def test_lines_per_program_covers_the_largest_array():
 
 
 def test_a_kernel_computes_the_same_with_prefetches():
-    x = jax.random.normal(jax.random.key(0), (16, 128), jnp.float32)
-    w = jax.random.normal(jax.random.key(1), (32, 64), jnp.bfloat16)
+    x = jax.random.normal(key_for("prefetch x"), (16, 128), jnp.float32)
+    w = jax.random.normal(key_for("prefetch w"), (32, 64), jnp.bfloat16)
     lines = lines_per_program([w], 4)
 
     def kernel(x_ref, w_ref, o_ref):
