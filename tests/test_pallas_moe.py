@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import lingjax
-from conftest import fixture_dirs, key_for, rel_err
+from conftest import REORDER_TOL, fixture_dirs, key_for, rel_err
 from lingjax import kernels
 from lingjax.ops import moe
 from lingjax.pallas.moe_align import PAIR_LIMIT, align_reference, moe_align
@@ -227,7 +227,7 @@ def test_fused_experts_read_the_real_rows_in_place(t, dtype):
 @pytest.mark.parametrize("rows,t,d", [(1, 1, 64), (16, 1, 64), (16, 1, 128), (16, 6, 64)])
 def test_routed_experts_match_reference(rows, t, d, shared, ties):
     """routed_experts (at T = 1 the up kernel routes the token itself) equals the reference route +
-    experts_gathered (+ shared) on x's first T rows, and bit for bit the Pallas route + fused_experts (the
+    experts_gathered (+ shared) on x's first T rows, and to a few ulp the Pallas route + fused_experts (the
     same selection code and expert kernels: a decode's row equals a verify's). The padded rows hold other
     tokens, so routing (or, at d = 128, broadcasting) the wrong row shows; with ties, experts 2i and 2i+1
     share router row and bias but not weights, so a tie broken to the higher index shows."""
@@ -249,7 +249,7 @@ def test_routed_experts_match_reference(rows, t, d, shared, ties):
     # do not; bench/moe_bench.py checks the decode's rows against the verify's default tiles on the GPU)
     tiles = one_token_tiles(I) if t == 1 else {}
     two_launches = fused_experts(x, *w, weights, experts, 0.5, tokens=t, shared=sh, shared_limit=0.7, **tiles)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(two_launches))
+    assert rel_err(got, two_launches) <= REORDER_TOL  # two programs: XLA:CPU may order the sums differently
 
 
 def test_routing_arguments_checked_on_both_paths():
@@ -330,7 +330,7 @@ def test_router_gemv_single_token_reads_x_row_once(monkeypatch):
     gathered = partial_logits(x, w, tokens=1, k_splits=2, bk=128)
     jax.clear_caches()
     assert row.shape == (2, 1, 64)
-    np.testing.assert_array_equal(np.asarray(row), np.asarray(gathered))
+    assert rel_err(row, gathered) <= REORDER_TOL  # two programs: XLA:CPU may order the sums differently
     with jax.default_matmul_precision("highest"):
         want = x[:1] @ w.T
     assert rel_err(row.sum(0), want) <= 1e-5
@@ -338,7 +338,7 @@ def test_router_gemv_single_token_reads_x_row_once(monkeypatch):
 
 def test_single_token_up_reads_x_row_once(monkeypatch):
     """At T = 1 the up kernel reads x's one row and broadcasts it when a K step's row spans X_ROW_MIN_BYTES
-    (f32 at K step 128 here), else gathers 16 copies of it: the same bits either way, equal to the reference,
+    (f32 at K step 128 here), else gathers 16 copies of it: the same results either way (to a few ulp), equal to the reference,
     with other tokens in the padded rows (a broadcast of the wrong row shows)."""
     import lingjax.pallas
 
@@ -357,7 +357,7 @@ def test_single_token_up_reads_x_row_once(monkeypatch):
     jax.clear_caches()
     gathered = fused_experts(x, wg, wu, wd, weights, experts, 0.5, bk_up=128, **kw)
     jax.clear_caches()
-    np.testing.assert_array_equal(np.asarray(row), np.asarray(gathered))
+    assert rel_err(row, gathered) <= REORDER_TOL  # two programs: XLA:CPU may order the sums differently
     want = moe.experts_gathered(x[:1], wg, wu, wd, weights[:1], experts[:1], 0.5) + moe.mlp(x[:1], *shared, 0.7)
     assert rel_err(row, want) <= 1e-5
 
@@ -383,7 +383,7 @@ def test_single_token_shared_expert_split(monkeypatch):
     jax.clear_caches()
     split = routed_experts(x, router, bias, *w, 0.5, **kw)
     jax.clear_caches()
-    np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+    assert rel_err(split, whole) <= REORDER_TOL  # two programs: XLA:CPU may order the sums differently
     with jax.default_matmul_precision("highest"):
         want = moe.routed_experts(x, router, bias, *w, 0.5, **kw)
     assert rel_err(split, want) <= 1e-5
