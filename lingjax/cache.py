@@ -1,8 +1,8 @@
 """Decode-time caches: one explicit pytree, donated to every jitted step.
 
 Per KDA layer: the recurrent state and the conv ring, the pre-conv q/k/v input of position p in slot
-p mod N, N = W - 1 + CHAIN_ROWS: the conv of the next token reads the W-1 slots before it, and a forward
-of up to CHAIN_ROWS tokens writes its inputs into the slots after them, in place (the fused chain kernel
+p mod N, N = W - 1 + VERIFY_ROWS: the conv of the next token reads the W-1 slots before it, and a forward
+of up to VERIFY_ROWS tokens writes its inputs into the slots after them, in place (the fused chain kernel
 does, so a decode step moves no window).
 Per MLA layer (and the MTP layer, whose cache the drafter owns): the latent cache, c ‖ roped k_pe
 per token. Slots at or past the committed length hold stale values; attention masks them by position,
@@ -21,9 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from lingjax.config import KDA, LingConfig
+from lingjax.config import KDA, VERIFY_ROWS, LingConfig
 
-CHAIN_ROWS = 16  # the most tokens one decode/verify forward takes (lingjax.model.SMALL_T)
 
 
 @jax.tree_util.register_dataclass
@@ -71,7 +70,7 @@ def init_cache(cfg: LingConfig, capacity: int, dtype) -> ModelCache:
 
 
 def conv_ring_size(cfg: LingConfig) -> int:
-    return cfg.conv_size - 1 + CHAIN_ROWS
+    return cfg.conv_size - 1 + VERIFY_ROWS
 
 
 def commit(cache: ModelCache, staging: tuple, n) -> ModelCache:

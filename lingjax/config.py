@@ -21,6 +21,11 @@ MLA = "mla"
 DENSE = "dense"
 MOE = "moe"
 
+# The most new tokens of one decode or verify forward. Such a forward runs its row-wise ops on exactly this many
+# rows (the real ones first, zero-padded), so a row rounds the same in a T = 1 decode and in a verify
+# (lingjax.model); the KDA conv ring holds this many slots past the window (lingjax.cache).
+VERIFY_ROWS = 16
+
 
 class ConfigError(ValueError):
     """A config.json that lingjax cannot interpret."""

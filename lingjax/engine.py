@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lingjax.model import SMALL_T
+from lingjax.config import VERIFY_ROWS
 from lingjax.runtime import Model, _check_ids
 from lingjax.sampling import SamplingParams
 
@@ -73,9 +73,9 @@ def _pow2(n: int) -> int:
 
 
 def prefill_bucket(n: int) -> int:
-    """Padded length of a prompt chunk: a power of two above SMALL_T, so a padded chunk always takes
+    """Padded length of a prompt chunk: a power of two above VERIFY_ROWS, so a padded chunk always takes
     the chunked path (the decode-shaped path assumes every row is valid)."""
-    return max(2 * SMALL_T, _pow2(n))
+    return max(2 * VERIFY_ROWS, _pow2(n))
 
 
 def cache_capacity(prompt_len: int, max_new_tokens: int, step_width: int = 1) -> int:
@@ -247,8 +247,8 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
 def _make_drafter(model: Model, spec: str, steps: int):
     if spec not in SPEC_METHODS:
         raise ValueError(f"spec must be one of {SPEC_METHODS} or None, got {spec!r}")
-    if not 1 <= steps <= SMALL_T - 1:
-        raise ValueError(f"steps must be in [1, {SMALL_T - 1}] (verify width steps+1 <= {SMALL_T}), got {steps}")
+    if not 1 <= steps <= VERIFY_ROWS - 1:
+        raise ValueError(f"steps must be in [1, {VERIFY_ROWS - 1}] (verify width steps+1 <= {VERIFY_ROWS}), got {steps}")
     if not model.has_mtp:
         raise ValueError(f"spec={spec!r} needs the MTP layer (model.layers.{model.cfg.mtp_layer_id}.*), which "
                          f"{model.source or 'this checkpoint'} does not have; generate without spec")

@@ -15,8 +15,8 @@ caches. Prefill, decode (T=1), speculative verify (T=S+1) and the cache-free ful
 this one function; the math path (recurrent or chunked KDA, absorbed or expanded MLA, gathered or
 sorted experts) is chosen in one place, `paths_for`, by T and the kernel set.
 
-Row invariance (what makes bf16 speculation lossless): a decode/verify-shaped forward (T <= SMALL_T)
-runs every row-wise op (norms, projections, MLP, router, MLA attention, lm_head) on SMALL_T rows, the
+Row invariance (what makes bf16 speculation lossless): a decode/verify-shaped forward (T <= VERIFY_ROWS)
+runs every row-wise op (norms, projections, MLP, router, MLA attention, lm_head) on VERIFY_ROWS rows, the
 real T padded with zeros, so each GEMM has one shape whatever T is and row j rounds the same in a
 T=1 decode and in a verify. Only the ops that carry state between rows or read per-row weights take
 the real rows alone: the KDA recurrence and conv, the MLA cache write, the routed experts (whose k-slot
@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lingjax.cache import CHAIN_ROWS, KDACache, KDAStaged, MLACache, ModelCache
-from lingjax.config import KDA, MOE, LingConfig
+from lingjax.cache import KDACache, KDAStaged, MLACache, ModelCache
+from lingjax.config import KDA, MOE, VERIFY_ROWS, LingConfig
 from lingjax.execution import Exec
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import linear as linear_ops
@@ -44,7 +44,6 @@ from lingjax.ops.norms import gated_rms_norm, rms_norm
 from lingjax.ops.rope import rope_interleaved
 
 F32 = jnp.float32
-SMALL_T = CHAIN_ROWS  # up to this many new tokens the step is decode/verify-shaped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +52,7 @@ class Paths:
     mla_absorbed: bool  # absorbed MLA (reads the latent cache directly)
     moe_gathered: bool  # the "moe_experts" op (XLA gather / Pallas grouped GEMMs), not sorted ragged_dot
     tokens: int  # T, the forward's new tokens
-    rows: int  # rows the row-wise ops run on: SMALL_T for small T (see the module docstring), else T
+    rows: int  # rows the row-wise ops run on: VERIFY_ROWS for small T (see the module docstring), else T
     ex: Exec = Exec()  # kernel set and tensor-parallel axis
 
     def op(self, name: str):
@@ -67,12 +66,12 @@ class Paths:
 def paths_for(num_tokens: int, ex: Exec = Exec(), pad_small: bool = True) -> Paths:
     """pad_small=False: no row padding (the MTP drafter's forwards: a draft only decides acceptance,
     never an emitted token, so it needs no row invariance and skips the padded rows' work)."""
-    small = num_tokens <= SMALL_T
+    small = num_tokens <= VERIFY_ROWS
     # The Pallas grouped GEMMs serve every T, prefill included: they sort the pairs into blocks of 16
     # that share an expert, so even a 512-token chunk (~8 pairs per expert) reads each touched expert
     # about once, where the sorted XLA path (ragged_dot) computes densely. XLA's gather: small T only.
     return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small or ex.kernels == "pallas",
-                 tokens=num_tokens, rows=SMALL_T if small and pad_small else num_tokens, ex=ex)
+                 tokens=num_tokens, rows=VERIFY_ROWS if small and pad_small else num_tokens, ex=ex)
 
 
 def pad_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -84,11 +83,11 @@ linear = linear_ops.linear  # XLA's GEMM; lingjax.pallas.skinny_linear measured 
 
 def narrow_linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """linear for a weight of a few dozen outputs (KDA's beta, MLA's head gate: [H, D]). At decode and
-    verify sizes (T <= SMALL_T) it is a multiply-reduce, so XLA emits a reduction fusion. XLA's GEMM
+    verify sizes (T <= VERIFY_ROWS) it is a multiply-reduce, so XLA emits a reduction fusion. XLA's GEMM
     fusion for [4, 2560] x [16, 2560] took a median 8.9 µs per layer on the H200, 43 calls and ~0.39 ms
     of a Flash TP2 round (bench/results/step_flash_h200x2_2026-11-30.md); the reduction fusion takes
     2.3 µs (…_2026-11-30_run2.md)."""
-    return linear(x, w) if x.shape[0] > SMALL_T else linear_ops.dot_rows(x, w)
+    return linear(x, w) if x.shape[0] > VERIFY_ROWS else linear_ops.dot_rows(x, w)
 
 
 def row_linear(x: jax.Array, w: jax.Array, ex: Exec) -> jax.Array:
@@ -142,7 +141,7 @@ class KDAAttention(nnx.Module):
         stage=True (verify) returns (y, KDAStaged) and the committed state is left for `lingjax.cache.commit`."""
         t = paths.tokens
         if stage and paths.kda_chunked:
-            raise ValueError(f"staged (verify) forwards take at most {SMALL_T} tokens, got {t}")
+            raise ValueError(f"staged (verify) forwards take at most {VERIFY_ROWS} tokens, got {t}")
         h, dk = self.b_proj.shape[0], cfg.kda_head_dim  # heads on this device (all of them without TP)
         with jax.named_scope("kda_proj"):
             w = self.in_proj[...]  # [5, P, D]: the reshape is free, the five slices are contiguous
@@ -357,13 +356,13 @@ class LingModel(nnx.Module):
 
     def forward(self, tokens, cache: ModelCache, start, n_valid, ex: Exec = Exec()):
         """tokens: [T] int32 at positions start..start+T-1, of which the first n_valid are real
-        (n_valid < T only on the chunked path, T > SMALL_T). Returns (hidden [T, D] after the final
+        (n_valid < T only on the chunked path, T > VERIFY_ROWS). Returns (hidden [T, D] after the final
         norm, updated cache)."""
         x, layers, _ = self._layers(tokens, cache, start, n_valid, ex, stage=False)
         return x, ModelCache(layers=layers)
 
     def verify(self, tokens, cache: ModelCache, start, ex: Exec = Exec()):
-        """Speculative verify over T <= SMALL_T tokens: MLA caches and KDA conv rings are written at
+        """Speculative verify over T <= VERIFY_ROWS tokens: MLA caches and KDA conv rings are written at
         start..start+T-1, KDA caches are otherwise left as they are (the returned cache holds them). Returns
         (hidden [T, D], cache, staging: per layer KDAStaged or None) for `lingjax.cache.commit`, which takes
         each KDA layer's state and ring from its staging."""
@@ -386,12 +385,12 @@ class LingModel(nnx.Module):
 
     def lm_logits(self, hidden, pad_small: bool = True):
         """hidden: [..., D] -> f32 logits [..., V] (under TP: this device's vocabulary shard; see
-        Exec.argmax_vocab / gather_vocab). Up to SMALL_T rows run as SMALL_T (row invariance: a
+        Exec.argmax_vocab / gather_vocab). Up to VERIFY_ROWS rows run as VERIFY_ROWS (row invariance: a
         decode's one row and a verify's rows get the same GEMM), unless pad_small=False (drafts)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         n = flat.shape[0]
         with jax.named_scope("lm_head"):
-            logits = linear(pad_rows(flat, max(n, SMALL_T) if pad_small else n), self.lm_head[...], F32)
+            logits = linear(pad_rows(flat, max(n, VERIFY_ROWS) if pad_small else n), self.lm_head[...], F32)
         return logits[:n].reshape(hidden.shape[:-1] + logits.shape[-1:])
 
     def mtp_forward(self, tokens, hidden, cache: MLACache, start, n_valid, ex: Exec = Exec()):

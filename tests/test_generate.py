@@ -9,7 +9,7 @@ import lingjax
 from conftest import rel_err
 from lingjax import cli
 from lingjax import engine as engine
-from lingjax.model import SMALL_T
+from lingjax.config import VERIFY_ROWS
 
 
 @functools.cache
@@ -129,7 +129,7 @@ def test_pallas_kernels_give_the_same_model():
     """kernels="pallas" (interpret mode on the CPU) against the XLA references, decode and prefill."""
     xla = _tiny()
     pallas = lingjax.Model(xla.module, kernels="pallas", source="test")
-    prompt = _prompt(40, 8)  # > SMALL_T: the chunked-prefill kernel; then decode steps
+    prompt = _prompt(40, 8)  # > VERIFY_ROWS: the chunked-prefill kernel; then decode steps
     assert rel_err(pallas.logits(prompt), xla.logits(prompt)) < 1e-4
     assert rel_err(pallas.incremental_logits(prompt, 36), xla.incremental_logits(prompt, 36)) < 1e-4
 
@@ -165,7 +165,7 @@ def test_xla_ops_override_one_kernel():
         mp.setitem(kernels.OPS, "moe_route", (lambda x, *a, **kw: calls.append(x.shape[0]) or real_route(x, *a, **kw),
                                               kernels.OPS["moe_route"][1]))
         assert rel_err(mixed.incremental_logits(prompt, 18), want) < 1e-4
-    assert SMALL_T in calls  # a T = 1 decode's padded rows, besides the 18-token extend
+    assert VERIFY_ROWS in calls  # a T = 1 decode's padded rows, besides the 18-token extend
     experts_on_xla = lingjax.Model(base.module, kernels="pallas", source="test", xla_ops=("moe_experts",))
     assert rel_err(experts_on_xla.incremental_logits(prompt, 18), want) < 1e-4  # no Pallas-only options reach it
     with pytest.raises(ValueError, match="unknown ops.*moe_route"):

@@ -41,7 +41,7 @@ def test_random_presets_are_drawn_in_shards_and_equal_at_every_tp():
 @pytest.mark.parametrize("tp", [2, 4])
 def test_logits_and_greedy_match_tp1(tp):
     one, many = _tiny(1), _tiny(tp)
-    prompt = _prompt(37, tp)  # > SMALL_T: chunked prefill, then decode
+    prompt = _prompt(37, tp)  # > VERIFY_ROWS: chunked prefill, then decode
     assert rel_err(many.logits(prompt), one.logits(prompt)) < 1e-4  # f32, partial sums all-reduced in another order
     assert rel_err(many.incremental_logits(prompt, 30), one.incremental_logits(prompt, 30)) < 1e-4
     want = lingjax.generate(one, prompt, 24, ignore_eos=True).tokens

@@ -82,10 +82,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from lingjax.config import VERIFY_ROWS
 from lingjax.pallas import pallas_call, pow2_tile, resolve_interpret
 
 F32 = jnp.float32
-MAX_T = 16
 
 
 def _state_tiles(s_ref, h, col0, block_v):
@@ -348,7 +348,7 @@ def kda_chain_verify(proj, x, b_proj, ring, start, conv_w, a_log, dt_bias, state
     the state is not donated XLA copies it first (the benches' loop-invariant inputs: they pass False)."""
     rows = proj.shape[0]
     h, dk, dv = state.shape
-    assert 1 <= tokens <= min(rows, MAX_T), f"chain-verify takes 1..{MAX_T} tokens of {rows} rows, got {tokens}"
+    assert 1 <= tokens <= min(rows, VERIFY_ROWS), f"chain-verify takes 1..{VERIFY_ROWS} tokens of {rows} rows, got {tokens}"
     assert x.shape[0] == rows and b_proj.shape == (h, x.shape[1]), (x.shape, b_proj.shape, proj.shape)
     assert h == num_heads and dk == dv and proj.shape[1] >= 4 * h * dk, (proj.shape, state.shape)
     width = conv_w.shape[1]
