@@ -1,6 +1,6 @@
 """LingConfig: the one place that knows HF config.json field names.
 
-config.json comes in two spellings (see ling3_architecture.md §1):
+config.json comes in two spellings (see docs/model.md §1):
 - the official checkpoint's (architectures BailingMoeV3ForCausalLM; n_group, num_experts_per_tok,
   norm_topk_prob, max_position_embeddings; head_dim is the KDA head dim; no layer_types list), and
 - the one HF's save_pretrained writes (num_expert_group, num_experts_per_token, moe_renormalize,
@@ -264,7 +264,7 @@ def _limits(values) -> tuple[float, ...]:
 
 # ---- presets -------------------------------------------------------------------------------
 # Ling-3.0-flash in the official spelling. SwiGLU limits are third-party readings of the real file
-# (ling3_architecture.md §6.3, marked uncertain); a real checkpoint's config.json always wins.
+# (docs/model.md §6.3, marked uncertain); a real checkpoint's config.json always wins.
 _FLASH = {
     "architectures": ["BailingMoeV3ForCausalLM"],
     "model_type": "bailing_hybrid",

@@ -26,8 +26,7 @@ from lingjax.runtime import Model, _check_ids
 from lingjax.sampling import SamplingParams
 
 # Prompt tokens per prefill program (a power of two). Each chunk touches every routed expert, so each
-# reads all the weights: at Flash TP2 chunks of 2048 gave an 8192-token TTFT of 0.73 s against 1.07 s
-# with 512 (bench/results/serve_flash_h200x2_2026-11-30.md).
+# reads all the weights: fewer, longer chunks read them fewer times (docs/engine.md).
 PREFILL_CHUNK = 2048
 MIN_CAPACITY = 256
 SPEC_METHODS = ("nextn",)

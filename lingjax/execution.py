@@ -1,10 +1,10 @@
-"""How a traced program runs: which kernel set, and the tensor-parallel mesh axis when the program
-body runs inside shard_map (lingjax/sharding.py). Passed down explicitly, static under jit."""
+"""How a traced program runs: the kernel set, each Pallas kernel's tuning, and the tensor-parallel mesh axis
+when the program body runs inside shard_map (lingjax/sharding.py). Passed down explicitly, static under jit."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+from collections.abc import Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -12,25 +12,65 @@ import jax.numpy as jnp
 from lingjax import kernels
 
 
+class Tuning(Mapping):
+    """An immutable, hashable mapping from op name (lingjax.kernels.OPS) to that kernel's frozen tuning
+    dataclass: the ops not named run their kernel's defaults."""
+
+    def __init__(self, items: Mapping | None = None):
+        self._items = tuple(sorted(dict(items or {}).items()))
+        kernels.check_op_names("tuning", (name for name, _ in self._items))
+
+    def __getitem__(self, name: str):
+        return dict(self._items)[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Tuning) and self._items == other._items
+
+    def __repr__(self) -> str:
+        return f"Tuning({dict(self._items)!r})"
+
+
 @dataclasses.dataclass(frozen=True)
 class Exec:
-    kernels: str = "xla"  # "xla" | "pallas", see lingjax.kernels
+    kernels: str = "xla"  # "xla" | "pallas" (resolved: lingjax.kernels.resolve)
     tp_axis: str | None = None  # set inside shard_map: weights and heads are this device's shard
-    router_precision: str = "f32"  # "f32" (parity) or "bf16" (declared rounding change), see ops.moe.route
-    xla_ops: tuple[str, ...] = ()  # ops that run their XLA reference whatever `kernels` says (A/B of one kernel)
-    # keyword options for ops' Pallas implementations, ((op, ((name, value), ...)), ...): an A/B of a kernel
-    # option inside the whole step (bench/step_bench.py --kernel-option), e.g. the chain kernel's block_v
-    kernel_options: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
+    router_precision: str = "f32"  # "f32" (parity) or "bf16" (a declared rounding change), see ops.moe.route
+    xla_ops: frozenset[str] = frozenset()  # ops that run their XLA reference whatever `kernels` says
+    tuning: Tuning = Tuning()  # op -> its Pallas kernel's tuning; the others take their kernel's defaults
+    # trace-time observer: tap(event, value) is called while tracing, e.g. ("moe_route", experts [T, k]) at each
+    # MoE layer that routes outside its expert kernels; for measurements (bench/), never changes a result
+    tap: Callable[[str, jax.Array], None] | None = None
+
+    def __post_init__(self):
+        if self.kernels not in kernels.KERNELS:
+            raise ValueError(f"Exec.kernels must be one of {kernels.KERNELS} (resolved), got {self.kernels!r}")
+        if self.router_precision not in ("f32", "bf16"):
+            raise ValueError(f"router_precision must be 'f32' or 'bf16', got {self.router_precision!r}")
+        object.__setattr__(self, "xla_ops", frozenset(self.xla_ops))
+        kernels.check_op_names("xla_ops", self.xla_ops)
+        if not isinstance(self.tuning, Tuning):
+            object.__setattr__(self, "tuning", Tuning(self.tuning))
 
     def runs_pallas(self, name: str) -> bool:
-        """Whether op `name` runs its Pallas implementation (whose extra options the caller may then pass)."""
+        """Whether op `name` runs its Pallas implementation."""
         return self.kernels == "pallas" and name not in self.xla_ops
 
-    def op(self, name: str):
-        which = "pallas" if self.runs_pallas(name) else "xla"
-        impl = kernels.get(name, which)
-        options = dict(self.kernel_options).get(name) if which == "pallas" else None
-        return functools.partial(impl, **dict(options)) if options else impl
+    def op(self, name: str) -> Callable:
+        """The implementation of op `name` under this kernel set (lingjax.kernels.implementation)."""
+        return kernels.implementation(name, self.runs_pallas(name), self.tuning.get(name))
+
+    def observe(self, event: str, value: jax.Array) -> None:
+        if self.tap is not None:
+            self.tap(event, value)
 
     def psum(self, x: jax.Array) -> jax.Array:
         """The one all-reduce of a row-parallel sub-layer (identity without TP)."""

@@ -1,22 +1,26 @@
-"""Kernel choice, in one place: `kernels="xla"` runs the plain-JAX references in lingjax/ops;
-`kernels="pallas"` runs the Pallas kernels in lingjax/pallas (interpret mode off the GPU, so the
-same model runs everywhere); `kernels="auto"` (the default) is "pallas" on a GPU, "xla" elsewhere:
-on the GPU the Pallas set is the fast one and the one measured lossless for bf16 speculation
-(bench/results/lossless_h200_2026-11-30.md), off it interpret mode is only for tests. Which op a
-layer needs (chain or chunked KDA, gathered or sorted MoE) is chosen by shape in
-lingjax.model.paths_for; this module only picks the implementation.
+"""Kernel choice, in one place.
 
-Each Pallas entry point takes the reference's arguments and returns its result; it may add
-keyword-only options with defaults (tile sizes, interpret, or extra fused work such as the shared
-expert in `fused_experts`).
+`kernels="xla"` runs the plain-JAX references in lingjax/ops; `kernels="pallas"` runs the Pallas kernels in
+lingjax/pallas (interpret mode off the GPU, so the same model runs everywhere); `kernels="auto"` (the
+default) is "pallas" on a GPU and "xla" elsewhere. Which op a layer needs (chain or chunked KDA, absorbed or
+expanded MLA, gathered or sorted experts) is chosen by shape in lingjax.model.paths_for; this module only
+picks the implementation of an op.
+
+Each Pallas entry point takes its reference's arguments and returns its result, plus a keyword-only
+`tuning` (the kernel's frozen tuning dataclass). Each has a `supports` function beside it: on a GPU, a call
+whose shapes the kernel's Triton lowering does not take runs the reference instead, and lingjax says so once
+per op and reason (docs/kernels/README.md). Interpret mode takes any shape, so off the GPU the kernels run
+as called.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import logging
+from collections.abc import Callable
 
 from lingjax import target
-
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
@@ -24,50 +28,80 @@ from lingjax.ops import moe as moe_ops
 KERNELS = ("xla", "pallas")
 CHOICES = ("auto",) + KERNELS
 
+log = logging.getLogger("lingjax")
 
-# op name -> (reference, "module:function" of the Pallas implementation)
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    reference: Callable  # the plain-JAX semantics, lingjax/ops
+    pallas: str  # "module:function" of the Pallas kernel
+    supports: str  # "module:function" -> None if the kernel lowers for these arguments, else the reason
+
+    def kernel(self) -> Callable:
+        return _attr(self.pallas)
+
+    def unsupported(self, *args, **kwargs) -> str | None:
+        return _attr(self.supports)(*args, **kwargs)
+
+
 OPS = {
-    "kda_chain": (kda_ops.kda_chain, "lingjax.pallas.kda_chain:kda_chain_verify"),
-    "kda_chunked": (kda_ops.kda_chunked, "lingjax.pallas.kda_prefill:kda_chunked_prefill"),
-    "mla_absorbed": (mla_ops.mla_absorbed, "lingjax.pallas.mla_decode:mla_decode_attention"),
-    "moe_route": (moe_ops.route, "lingjax.pallas.moe_router:route"),
-    "moe_experts": (moe_ops.experts_gathered, "lingjax.pallas.moe_experts:fused_experts"),
-    "moe_routed_experts": (moe_ops.routed_experts, "lingjax.pallas.moe_experts:routed_experts"),
+    "kda_chain": Op(kda_ops.kda_chain, "lingjax.pallas.kda_chain:kda_chain_verify",
+                    "lingjax.pallas.kda_chain:supports"),
+    "kda_chunked": Op(kda_ops.kda_chunked, "lingjax.pallas.kda_prefill:kda_chunked_prefill",
+                      "lingjax.pallas.kda_prefill:supports"),
+    "mla_absorbed": Op(mla_ops.mla_absorbed, "lingjax.pallas.mla_decode:mla_decode_attention",
+                       "lingjax.pallas.mla_decode:supports"),
+    "moe_route": Op(moe_ops.route, "lingjax.pallas.moe_router:route", "lingjax.pallas.moe_router:supports"),
+    "moe_experts": Op(moe_ops.experts, "lingjax.pallas.moe_experts:fused_experts",
+                      "lingjax.pallas.moe_experts:supports_fused_experts"),
+    "moe_routed_experts": Op(moe_ops.routed_experts, "lingjax.pallas.moe_experts:routed_experts",
+                             "lingjax.pallas.moe_experts:supports_routed_experts"),
 }
 
 
-def _pallas(op: str):
-    module, name = OPS[op][1].split(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ModuleNotFoundError, AttributeError):
-        return None
-
-
-def missing_pallas_ops() -> list[str]:
-    return [op for op in OPS if _pallas(op) is None]
+def _attr(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def resolve(kernels: str) -> str:
-    """"auto" -> the kernel set for this backend; "xla" and "pallas" as given. Raises for an unknown
-    name, or for "pallas" while a Pallas kernel is missing (load calls this before reading weights)."""
+    """"auto" -> the kernel set for this platform; "xla" and "pallas" as given. Raises for an unknown name."""
     if kernels not in CHOICES:
         raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
     if kernels == "auto":
-        kernels = "pallas" if target.platform() == "gpu" else "xla"
-    if kernels == "pallas" and missing_pallas_ops():
-        raise NotImplementedError(f"kernels='pallas' needs Pallas kernels not written yet: {missing_pallas_ops()}; "
-                                  "use kernels='xla'")
+        return "pallas" if target.platform() == "gpu" else "xla"
     return kernels
 
 
-def get(op: str, kernels: str):
-    """The implementation of `op` for the kernel set `kernels`."""
-    if kernels == "xla":
-        return OPS[op][0]
-    if kernels == "pallas":
-        impl = _pallas(op)
-        if impl is None:
-            raise NotImplementedError(f"no Pallas kernel for {op} yet ({OPS[op][1]})")
-        return impl
-    raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+def check_op_names(what: str, names) -> None:
+    unknown = sorted(set(names) - set(OPS))
+    if unknown:
+        raise ValueError(f"{what} names unknown ops {unknown}; ops: {sorted(OPS)}")
+
+
+_reported: set[tuple[str, str]] = set()
+
+
+def _fall_back(name: str, reason: str) -> None:
+    if (name, reason) not in _reported:
+        _reported.add((name, reason))
+        log.warning("lingjax: %s runs its XLA reference, not its Pallas kernel: %s", name, reason)
+
+
+def implementation(name: str, pallas: bool, tuning=None) -> Callable:
+    """The implementation of op `name`: its reference, or (pallas) its Pallas kernel with `tuning` (None: the
+    kernel's defaults), which on a GPU falls back to the reference where supports() rejects a call's shapes."""
+    op = OPS[name]
+    if not pallas:
+        return op.reference
+    extra = {} if tuning is None else {"tuning": tuning}
+
+    def call(*args, **kwargs):
+        if target.platform() == "gpu":
+            reason = op.unsupported(*args, **kwargs, **extra)
+            if reason:
+                _fall_back(name, reason)
+                return op.reference(*args, **kwargs)
+        return op.kernel()(*args, **kwargs, **extra)
+
+    return call

@@ -12,8 +12,8 @@ Weights keep the torch [out, in] layout (y = x·Wᵀ) so checkpoints load withou
 
 Every forward is an "extend": T new tokens at absolute positions start..start+T-1 against explicit
 caches. Prefill, decode (T=1), speculative verify (T=S+1) and the cache-free full forward are all
-this one function; the math path (recurrent or chunked KDA, absorbed or expanded MLA, gathered or
-sorted experts) is chosen in one place, `paths_for`, by T and the kernel set.
+this one function; the math path (recurrent or chunked KDA, absorbed or expanded MLA) is chosen in one
+place, `paths_for`, by T.
 
 Row invariance (what makes bf16 speculation lossless): a decode/verify-shaped forward (T <= VERIFY_ROWS)
 runs every row-wise op (norms, projections, MLP, router, MLA attention, lm_head) on VERIFY_ROWS rows, the
@@ -50,7 +50,6 @@ F32 = jnp.float32
 class Paths:
     kda_chunked: bool  # chunked KDA form (prefill) instead of the recurrence
     mla_absorbed: bool  # absorbed MLA (reads the latent cache directly)
-    moe_gathered: bool  # the "moe_experts" op (XLA gather / Pallas grouped GEMMs), not sorted ragged_dot
     tokens: int  # T, the forward's new tokens
     rows: int  # rows the row-wise ops run on: VERIFY_ROWS for small T (see the module docstring), else T
     ex: Exec = Exec()  # kernel set and tensor-parallel axis
@@ -67,10 +66,9 @@ def paths_for(num_tokens: int, ex: Exec = Exec(), pad_small: bool = True) -> Pat
     """pad_small=False: no row padding (the MTP drafter's forwards: a draft only decides acceptance,
     never an emitted token, so it needs no row invariance and skips the padded rows' work)."""
     small = num_tokens <= VERIFY_ROWS
-    # The Pallas grouped GEMMs serve every T, prefill included: they sort the pairs into blocks of 16
-    # that share an expert, so even a 512-token chunk (~8 pairs per expert) reads each touched expert
-    # about once, where the sorted XLA path (ragged_dot) computes densely. XLA's gather: small T only.
-    return Paths(kda_chunked=not small, mla_absorbed=small, moe_gathered=small or ex.kernels == "pallas",
+    # (the experts op picks its own form: lingjax.ops.moe.experts gathers weights at small T and sorts the
+    # pairs above; the Pallas grouped GEMMs serve every T)
+    return Paths(kda_chunked=not small, mla_absorbed=small,
                  tokens=num_tokens, rows=VERIFY_ROWS if small and pad_small else num_tokens, ex=ex)
 
 
@@ -78,15 +76,13 @@ def pad_rows(x: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
-linear = linear_ops.linear  # XLA's GEMM; lingjax.pallas.skinny_linear measured no gain in the step (its docstring)
+linear = linear_ops.linear  # XLA's GEMM: at these widths it reads the weight at full bandwidth
 
 
 def narrow_linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """linear for a weight of a few dozen outputs (KDA's beta, MLA's head gate: [H, D]). At decode and
-    verify sizes (T <= VERIFY_ROWS) it is a multiply-reduce, so XLA emits a reduction fusion. XLA's GEMM
-    fusion for [4, 2560] x [16, 2560] took a median 8.9 µs per layer on the H200, 43 calls and ~0.39 ms
-    of a Flash TP2 round (bench/results/step_flash_h200x2_2026-11-30.md); the reduction fusion takes
-    2.3 µs (…_2026-11-30_run2.md)."""
+    verify sizes (T <= VERIFY_ROWS) it is a multiply-reduce, which XLA emits as one reduction fusion, a
+    fraction of the time its GEMM fusion takes at that shape (docs/engine.md)."""
     return linear(x, w) if x.shape[0] > VERIFY_ROWS else linear_ops.dot_rows(x, w)
 
 
@@ -136,12 +132,11 @@ class KDAAttention(nnx.Module):
         self.o_norm = init.norm(cfg.kda_head_dim)
         self.o_proj = init.matrix(d, p)
 
-    def __call__(self, cfg: LingConfig, x, cache: KDACache, start, n_valid, paths: Paths, stage: bool = False):
-        """x: [rows, D] at positions start.., the first paths.tokens real. Returns (y, new cache); with
-        stage=True (verify) returns (y, KDAStaged) and the committed state is left for `lingjax.cache.commit`."""
-        t = paths.tokens
-        if stage and paths.kda_chunked:
-            raise ValueError(f"staged (verify) forwards take at most {VERIFY_ROWS} tokens, got {t}")
+    def __call__(self, cfg: LingConfig, x, cache: KDACache, positions, n_valid, paths: Paths):
+        """x: [rows, D] at `positions` (consecutive), the first paths.tokens real. Returns (y, the cache after
+        the n_valid real rows, staging): on the chain path (decode, verify) staging is the KDAStaged of every
+        row, for a verify's `lingjax.cache.commit`; on the chunked path (prefill) None."""
+        t, start = paths.tokens, positions[0]
         h, dk = self.b_proj.shape[0], cfg.kda_head_dim  # heads on this device (all of them without TP)
         with jax.named_scope("kda_proj"):
             w = self.in_proj[...]  # [5, P, D]: the reshape is free, the five slices are contiguous
@@ -165,6 +160,7 @@ class KDAAttention(nnx.Module):
                 q, k, v = (a.astype(x.dtype) for a in (q, k, v))
                 ring = kda_ops.ring_write(ring, window, start + n_valid - (width - 1))  # the window's own slots
                 o, state = paths.op("kda_chunked")(q, k, v, g, beta, cache.state)
+                staged = None
             else:  # all T tokens are real here (prefill pads only to chunked sizes)
                 # proj and x whole: the op reads the real rows in place (b = x·b_projᵀ inside) and returns
                 # o on all rows, zero past T, so no slice, pad or b kernel sits on either side of it; it
@@ -177,9 +173,7 @@ class KDAAttention(nnx.Module):
             gate = g_out.reshape(paths.rows, h, dk)
             y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)  # o: [rows, H, V]
             y = row_linear(y.reshape(paths.rows, h * dk), self.o_proj, paths.ex)
-        if stage:
-            return y, KDAStaged(states=staged, conv=conv)
-        return y, KDACache(state=state, conv=conv)
+        return y, KDACache(state=state, conv=conv), None if staged is None else KDAStaged(states=staged, conv=conv)
 
 
 class MLAAttention(nnx.Module):
@@ -192,9 +186,10 @@ class MLAAttention(nnx.Module):
         self.g_proj = init.matrix(h, d)
         self.o_proj = init.matrix(d, h * cfg.v_head_dim)
 
-    def __call__(self, cfg: LingConfig, x, cache: MLACache, positions, paths: Paths):
-        """x: [rows, D], the first paths.tokens real; padded rows attend too (at the positions after
-        the real ones) but write nothing."""
+    def __call__(self, cfg: LingConfig, x, cache: MLACache, positions, n_valid, paths: Paths):
+        """x: [rows, D] at `positions`, the first paths.tokens real; padded rows attend too (at the positions
+        after the real ones) but write nothing. Returns (y, cache, None): nothing to stage (the latent cache's
+        slots past the committed length are masked by position)."""
         t = x.shape[0]
         h = self.g_proj.shape[0]  # heads on this device
         n, r, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -215,7 +210,7 @@ class MLAAttention(nnx.Module):
             gate = jax.nn.sigmoid(narrow_linear(x, self.g_proj).astype(F32))  # [T, H]
             o = (o * gate[..., None]).astype(x.dtype).reshape(t, h * cfg.v_head_dim)
             y = row_linear(o, self.o_proj, paths.ex)
-        return y, MLACache(latent=latent)
+        return y, MLACache(latent=latent), None
 
 
 class DenseMLP(nnx.Module):
@@ -224,9 +219,12 @@ class DenseMLP(nnx.Module):
         self.gate_proj, self.up_proj, self.down_proj = init.matrix(width, d), init.matrix(width, d), init.matrix(d, width)
         self.limit = limit
 
-    def __call__(self, x):  # -> f32 (under TP: this device's partial sum, see the callers' psum)
+    def partial(self, x):  # -> f32 [rows, D] (under TP: this device's partial sum, for the caller's psum)
         with jax.named_scope("dense_mlp"):
             return moe_ops.mlp(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.limit)
+
+    def __call__(self, cfg: LingConfig, x, paths: Paths):  # -> [rows, D] in x's dtype, all-reduced once
+        return paths.ex.psum(self.partial(x)).astype(x.dtype)
 
 
 class MoE(nnx.Module):
@@ -247,45 +245,37 @@ class MoE(nnx.Module):
                     precision=paths.ex.router_precision)
 
     def route(self, cfg: LingConfig, x, paths: Paths):
-        """-> (weights [T, k] f32, experts [T, k] int32). A method of its own so that a caller can record
-        the routers' choices (bench/step_bench.py wraps it); a Pallas decode (T = 1) routes inside its
-        expert launches instead and never calls it."""
+        """-> (weights [rows, k] f32, experts [rows, k] int32), the real rows' experts shown to Exec.tap as
+        "moe_route". A Pallas decode (T = 1) routes inside its expert launches instead and never calls it."""
         with jax.named_scope("moe_router"):
-            return paths.op("moe_route")(x, self.router[...], self.router_bias[...], **self.routing(cfg, paths))
+            weights, experts = paths.op("moe_route")(x, self.router[...], self.router_bias[...],
+                                                     **self.routing(cfg, paths))
+        paths.ex.observe("moe_route", experts[: paths.tokens])
+        return weights, experts
 
     def __call__(self, cfg: LingConfig, x, paths: Paths):
         """x: [rows, D]: all rows are routed (one router GEMM shape), the real ones alone reach the
-        experts (padded rows would read experts of their own)."""
-        t = paths.tokens
+        experts (padded rows would read experts of their own). -> [rows, D] in x's dtype, all-reduced once."""
         w = (self.w_gate[...], self.w_up[...], self.w_down[...])
         shared = self.shared
-        if paths.ex.runs_pallas("moe_experts"):
-            # the Pallas kernels read the real rows in place (no slicing launches) and run the shared
-            # expert, when its width matches, as extra blocks of the same launches
-            fuse = shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]
-            extra = dict(shared=(shared.gate_proj[...], shared.up_proj[...], shared.down_proj[...]),
-                         shared_limit=shared.limit) if fuse else {}
-            shared = None if fuse else shared
-            # decode: the up kernel routes the token itself, no select launch (unless an A/B puts the
-            # router on its XLA reference, Exec.xla_ops, which then serves decode too)
-            if t == 1 and paths.ex.runs_pallas("moe_route"):
-                with jax.named_scope("moe_experts"):
-                    y = paths.op("moe_routed_experts")(x, self.router[...], self.router_bias[...], *w, self.limit,
-                                                       tokens=1, **self.routing(cfg, paths), **extra)
-            else:
-                weights, experts = self.route(cfg, x, paths)
-                with jax.named_scope("moe_experts"):
-                    y = paths.op("moe_experts")(x, *w, weights, experts, self.limit, tokens=t, **extra)
+        # the shared expert, when its width matches, runs inside the experts op (in the Pallas kernels: as
+        # extra blocks of the same launches)
+        fuse = shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]
+        extra = dict(shared=(shared.gate_proj[...], shared.up_proj[...], shared.down_proj[...]),
+                     shared_limit=shared.limit) if fuse else {}
+        if paths.tokens == 1 and paths.ex.runs_pallas("moe_experts") and paths.ex.runs_pallas("moe_route"):
+            with jax.named_scope("moe_experts"):  # decode: the up kernel routes the token itself, no select launch
+                y = paths.op("moe_routed_experts")(x, self.router[...], self.router_bias[...], *w, self.limit,
+                                                   tokens=1, **self.routing(cfg, paths), **extra)
         else:
             weights, experts = self.route(cfg, x, paths)
             with jax.named_scope("moe_experts"):
-                experts_op = paths.op("moe_experts") if paths.moe_gathered else moe_ops.experts_sorted
-                y = experts_op(x[:t], *w, weights[:t], experts[:t], self.limit)
+                y = paths.op("moe_experts")(x, *w, weights, experts, self.limit, tokens=paths.tokens, **extra)
         with jax.named_scope("moe_experts"):
             y = paths.pad(y)
-        if shared is not None:
+        if shared is not None and not fuse:
             with jax.named_scope("moe_shared"):
-                y = y + shared(x)
+                y = y + shared.partial(x)
         return paths.ex.psum(y).astype(x.dtype)  # one all-reduce, one rounding of routed + shared
 
 
@@ -298,20 +288,16 @@ class DecoderLayer(nnx.Module):
         self.attn = KDAAttention(cfg, init) if attn_kind == KDA else MLAAttention(cfg, init)
         self.mlp = MoE(cfg, init, layer_id) if mlp_kind == MOE else DenseMLP(cfg, init, cfg.intermediate_size)
 
-    def __call__(self, cfg: LingConfig, x, cache, positions, n_valid, paths: Paths, stage: bool = False):
-        a = rms_norm(x, self.input_norm[...], cfg.rms_norm_eps)
-        if isinstance(self.attn, KDAAttention):
-            a, cache = self.attn(cfg, a, cache, positions[0], n_valid, paths, stage)
-        else:
-            a, cache = self.attn(cfg, a, cache, positions, paths)
+    def __call__(self, cfg: LingConfig, x, cache, positions, n_valid, paths: Paths):
+        """-> (y, cache, staging): the attention's cache and staging (see KDAAttention, MLAAttention)."""
+        a, cache, staging = self.attn(cfg, rms_norm(x, self.input_norm[...], cfg.rms_norm_eps), cache, positions,
+                                      n_valid, paths)
         h = x + a
-        m = rms_norm(h, self.post_norm[...], cfg.rms_norm_eps)
-        m = self.mlp(cfg, m, paths) if isinstance(self.mlp, MoE) else paths.ex.psum(self.mlp(m)).astype(x.dtype)
-        return h + m, cache
+        return h + self.mlp(cfg, rms_norm(h, self.post_norm[...], cfg.rms_norm_eps), paths), cache, staging
 
 
 class MTPLayer(nnx.Module):
-    """NEXTN draft layer (ling3_architecture.md §7): [embed(x_{p+1}); h_p] -> MLA + MoE block -> z_p."""
+    """NEXTN draft layer (docs/model.md §7): [embed(x_{p+1}); h_p] -> MLA + MoE block -> z_p."""
 
     def __init__(self, cfg: LingConfig, init: _Init):
         self.enorm, self.hnorm = init.norm(cfg.hidden_size), init.norm(cfg.hidden_size)
@@ -327,7 +313,7 @@ class MTPLayer(nnx.Module):
         u = jnp.concatenate([rms_norm(embedded, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)], -1)
         with jax.named_scope("eh_proj"):
             u = linear(u, self.eh_proj)
-        u, cache = self.block(cfg, u, cache, positions, n_valid, paths)
+        u, cache, _ = self.block(cfg, u, cache, positions, n_valid, paths)
         return rms_norm(u, self.final_norm[...], eps)[: paths.tokens], cache
 
 
@@ -358,7 +344,7 @@ class LingModel(nnx.Module):
         """tokens: [T] int32 at positions start..start+T-1, of which the first n_valid are real
         (n_valid < T only on the chunked path, T > VERIFY_ROWS). Returns (hidden [T, D] after the final
         norm, updated cache)."""
-        x, layers, _ = self._layers(tokens, cache, start, n_valid, ex, stage=False)
+        x, layers, _ = self._layers(tokens, cache, start, n_valid, ex)
         return x, ModelCache(layers=layers)
 
     def verify(self, tokens, cache: ModelCache, start, ex: Exec = Exec()):
@@ -366,10 +352,15 @@ class LingModel(nnx.Module):
         start..start+T-1, KDA caches are otherwise left as they are (the returned cache holds them). Returns
         (hidden [T, D], cache, staging: per layer KDAStaged or None) for `lingjax.cache.commit`, which takes
         each KDA layer's state and ring from its staging."""
-        x, layers, staging = self._layers(tokens, cache, start, tokens.shape[0], ex, stage=True)
+        if tokens.shape[0] > VERIFY_ROWS:
+            raise ValueError(f"a verify takes at most {VERIFY_ROWS} tokens, got {tokens.shape[0]}")
+        x, layers, staging = self._layers(tokens, cache, start, tokens.shape[0], ex)
+        # a KDA layer keeps its committed cache until commit; every other layer's cache is the forward's
+        layers = tuple(old if st is not None else new for old, new, st in zip(cache.layers, layers, staging))
         return x, ModelCache(layers=layers), staging
 
-    def _layers(self, tokens, cache, start, n_valid, ex, stage):
+    def _layers(self, tokens, cache, start, n_valid, ex):
+        """-> (hidden [T, D] after the final norm, each layer's cache after the forward, each layer's staging)."""
         cfg = self.cfg
         paths = paths_for(tokens.shape[0], ex)
         positions = start + jnp.arange(paths.rows, dtype=jnp.int32)
@@ -377,10 +368,9 @@ class LingModel(nnx.Module):
         layers, staging = [], []
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             with jax.named_scope(f"layer{i}_{cfg.layer_types[i]}"):
-                x, out = layer(cfg, x, layer_cache, positions, n_valid, paths, stage)
-            staged = isinstance(out, KDAStaged)
-            layers.append(layer_cache if staged else out)
-            staging.append(out if staged else None)
+                x, layer_cache, staged = layer(cfg, x, layer_cache, positions, n_valid, paths)
+            layers.append(layer_cache)
+            staging.append(staged)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)[: paths.tokens], tuple(layers), tuple(staging)
 
     def lm_logits(self, hidden, pad_small: bool = True):

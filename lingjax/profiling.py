@@ -197,11 +197,9 @@ def peer_wait_us(kernels: list[Kernel], device: int = 0) -> float | None:
 
 def collective_gap_us(kernels: list[Kernel], device: int = 0) -> float:
     """Of `device`'s idle time in the trace, the gaps that end where a collective kernel starts or start
-    where one ends. Each all-reduce left out of the CUDA graphs splits them (lingjax.runtime.step_jit),
-    and with them inside the gaps stay (the all-reduce kernels as graph nodes; on the H200 XLA runs its own
-    one-shot Triton all-reduce, not NCCL's, bench/results/launch_h200x2_2026-11-30_run2.md): in Flash TP2
-    traces the gaps beside the ~93 all-reduces of a round held most of its idle time, the gaps between
-    other kernels ~0.2 µs each (bench/results/step_flash_h200x2_2026-11-30_run5.md)."""
+    where one ends. Each all-reduce left out of the CUDA graphs splits them (lingjax.runtime.step_compiler_options),
+    and with them inside the gaps stay (the all-reduce kernels as graph nodes): under TP these gaps can hold
+    most of a round's idle time, so the census reports them apart (docs/measuring.md)."""
     total, end, ended_collective = 0.0, None, False
     for k in sorted((k for k in kernels if k.device == device), key=lambda k: k.start_us):
         collective = bool(_COLLECTIVE.search(f"{k.name} {k.hlo_op}"))

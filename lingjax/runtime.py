@@ -2,14 +2,16 @@
 
 The NNX module is split once into (graphdef, params); each jitted program takes the parameters as a
 flat tuple of arrays (`Model.weights`) and rebuilds the module inside the trace, so a call walks
-neither the object graph nor the nnx Variables in Python (flattening Flash's 720 Variables cost the
-host ~2 ms per step on the H200 machine: bench/results/step_flash_h200x2_2026-11-29.md). Caches are
-separate pytrees, donated.
+neither the object graph nor the nnx Variables in Python (at Flash's ~720 Variables that walk would cost the
+host milliseconds a step). Caches are separate pytrees, donated.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -22,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 from lingjax import checkpoint, sharding, target
 from lingjax.cache import ModelCache, init_cache
 from lingjax.config import PRESETS, LingConfig, preset
-from lingjax.execution import Exec
 from lingjax import kernels as kernel_sets
+from lingjax.execution import Exec, Tuning
 from lingjax.model import LingModel, abstract_model, draw, param_count
 from lingjax.sampling import SamplingParams, sample
 
@@ -33,45 +35,62 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
 
 
-def step_jit(fun, collectives_in_graphs: bool = False, xla_options: tuple[tuple[str, object], ...] = (), **kwargs):
-    """jax.jit for a hot step program. On GPU the whole step goes into XLA command buffers (CUDA
-    graphs), loops and conditionals included: measured on the H200 (bench/results/
-    spec_overlap_h200_2026-11-29.md) this cut the host's dispatch of a speculative round from 3.2-4.3
-    ms to 2.0 ms, below the device's time, so the run-ahead loop hides it.
-    Collectives stay out of the graphs unless collectives_in_graphs, so each all-reduce splits the
-    graph (a TP2 Flash round is ~100 graph launches plus ~90 all-reduces per device, and the host
-    sets the pace). (On the H200s XLA already runs its own one-shot all-reduce kernel; NCCL's
-    symmetric buffers and the explicit collective-kernel flags change nothing:
-    bench/results/launch_h200x2_2026-11-30_run2.md.) Putting them inside gained nothing on `mid` at
-    TP2, by default or with XLA's collective kernels forced, neither host-bound
-    (bench/results/step_flash_h200x2_2026-11-29.md) nor GPU-bound at 4 rounds per call
-    (…_2026-11-30.md), nor on Flash at TP2 (round 1% and decode 4% slower; the idle beside each
-    all-reduce kernel grows inside the graphs: …_2026-11-30_run5.md), and a Flash TP4 round compiled
-    that way did not finish its timing within 2.5 minutes (…_h200x4_2026-11-29.md).
-    XLA's dot merger is off: the Flash profile showed it fusing each KDA layer's five projections
-    into one GEMM by copying the five weight matrices into a new buffer every step (26 MB a layer,
-    0.6 ms of a TP4 round), which at batch 1 costs far more than the launches it saves. Those five
-    are now one stacked weight (KDAAttention.in_proj); the flag keeps XLA from doing the same to
-    other projections of one input (MLA's q/kv_a/g).
-    Programmatic dependent launch is on (Hopper: a kernel may start while the one before it drains, and
-    waits in its prologue for that one's results): a mid TP1 round ran 0.9-3.0% faster in three processes,
-    decode between 2.5% faster and 1.4% slower (bench/results/pdl_h200_2026-12-01.md). XLA's kernels wait
-    by construction; the Pallas kernels wait through lingjax.pallas.grid_dependency. xla_options: more XLA
-    debug options for these programs, (name, value) pairs, e.g. ("xla_gpu_experimental_force_split_k", 1),
-    to A/B a compiler choice in one process (bench/step_bench.py --xla-option). Elsewhere plain jax.jit."""
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """How the step programs compile on a GPU (step_compiler_options); the defaults are the product's, the
+    rest is for A/B measurements (bench/step_bench.py --graph-collectives, --xla-option)."""
+
+    collectives_in_graphs: bool = False  # all-reduces inside the CUDA graphs (otherwise each splits a graph)
+    xla_options: tuple[tuple[str, object], ...] = ()  # more XLA debug options, (name, value) pairs
+
+    def __post_init__(self):
+        object.__setattr__(self, "xla_options", tuple((str(k), v) for k, v in self.xla_options))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How a Model runs: `kernels` ("auto" resolves here, once: Pallas on a GPU, XLA elsewhere) and
+    `router_precision` are lingjax.load's; `xla_ops` (ops that run their XLA reference under any kernel set),
+    `tuning` (op -> its Pallas kernel's tuning dataclass) and `compile` are for A/B measurements of one kernel,
+    tile or compiler option inside the whole step (bench/), through Model.variant."""
+
+    kernels: str = "auto"
+    router_precision: str = "f32"
+    xla_ops: tuple[str, ...] = ()
+    tuning: Mapping = dataclasses.field(default_factory=dict)
+    compile: CompileOptions = CompileOptions()
+
+    def __post_init__(self):
+        object.__setattr__(self, "kernels", kernel_sets.resolve(self.kernels))
+        object.__setattr__(self, "xla_ops", tuple(sorted(set(self.xla_ops))))
+        object.__setattr__(self, "tuning", Tuning(self.tuning))
+        self.exec()  # every other check, before any program is built
+
+    def exec(self, tp_axis: str | None = None) -> Exec:
+        return Exec(self.kernels, tp_axis, self.router_precision, frozenset(self.xla_ops), self.tuning)
+
+
+def step_jit(fun, compile_options: CompileOptions = CompileOptions(), **kwargs):
+    """jax.jit for a hot step program: on a GPU with step_compiler_options (docs/engine.md says why each is
+    set), elsewhere plain jax.jit."""
     if target.platform() == "gpu":
-        kwargs["compiler_options"] = step_compiler_options(collectives_in_graphs, xla_options)
+        kwargs["compiler_options"] = step_compiler_options(compile_options)
     return jax.jit(fun, **kwargs)
 
 
-def step_compiler_options(collectives_in_graphs: bool = False, xla_options=()) -> dict:
-    """The GPU compiler options of step_jit (see there), for a bench that compiles its own loop the same way."""
+def step_compiler_options(compile_options: CompileOptions = CompileOptions()) -> dict:
+    """The GPU compiler options of the step programs: the whole step in CUDA graphs (loops and conditionals
+    included; collectives only with collectives_in_graphs), XLA's dot merger off (it would copy weights
+    to merge GEMMs of one input), programmatic dependent launch on (every Pallas kernel waits for its
+    producers: lingjax.pallas.grid_dependency), then compile_options.xla_options. Also for a bench that
+    compiles its own loop the same way."""
     return {
-        "xla_gpu_enable_command_buffer": COMMAND_BUFFERS + (",COLLECTIVES" if collectives_in_graphs else ""),
+        "xla_gpu_enable_command_buffer": COMMAND_BUFFERS + (",COLLECTIVES" if compile_options.collectives_in_graphs
+                                                            else ""),
         "xla_gpu_graph_min_graph_size": 1,
         "xla_gpu_dot_merger_threshold_mb": 0,
         "xla_gpu_enable_pdl": True,
-        **dict(xla_options),
+        **dict(compile_options.xla_options),
     }
 
 
@@ -92,49 +111,45 @@ def steps_in_one_call(step, carry, n: int):
 
 
 class Model:
-    """A loaded Ling model. `module` is the Flax NNX LingModel (for notebooks); the methods here are
-    the jitted entry points the engine uses. With tp > 1 the parameters are sharded over a mesh of
-    tp devices (lingjax/sharding.py) and every program body runs inside shard_map.
-    xla_ops: names of lingjax.kernels.OPS that run their XLA reference under any kernel set, to A/B one
-    kernel inside the whole step (bench/step_bench.py --xla-ops). xla_options: extra XLA debug options
-    of the step programs (step_jit). kernel_options: keyword options for ops' Pallas kernels,
-    ((op, ((name, value), ...)), ...), to A/B a kernel option inside the whole step (Exec.kernel_options,
-    bench/step_bench.py --kernel-option)."""
+    """A loaded Ling model. `module` is the Flax NNX LingModel (for notebooks); the methods here are the jitted
+    entry points the engine uses. With a mesh the parameters are sharded over its devices (lingjax/sharding.py)
+    and every program body runs inside shard_map. lingjax.load builds one; `variant` derives another over the
+    same weights that runs differently (an A/B inside one process)."""
 
-    def __init__(self, module: LingModel, kernels: str = "auto", source: str = "", tp: int = 1,
-                 router_precision: str = "f32", collectives_in_graphs: bool = False, xla_ops: tuple[str, ...] = (),
-                 xla_options: tuple[tuple[str, object], ...] = (),
-                 kernel_options: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()):
+    def __init__(self, module: LingModel, options: RunOptions | None = None, *, mesh=None, source: str = ""):
         self.module = module
-        self.collectives_in_graphs = collectives_in_graphs  # see step_jit
-        self.xla_options = tuple(xla_options)  # see step_jit
         self.cfg: LingConfig = module.cfg
-        self.kernels = kernel_sets.resolve(kernels)  # "auto" -> this backend's set
         self.source = source
-        self.tp = tp
-        self.mesh = sharding.make_mesh(tp) if tp > 1 else None
-        if router_precision not in ("f32", "bf16"):
-            raise ValueError(f"router_precision must be 'f32' or 'bf16', got {router_precision!r}")
-        for what, names in (("xla_ops", set(xla_ops)), ("kernel_options", {op for op, _ in kernel_options})):
-            if names - set(kernel_sets.OPS):
-                raise ValueError(f"{what} names unknown ops {sorted(names - set(kernel_sets.OPS))}; "
-                                 f"ops: {sorted(kernel_sets.OPS)}")
-        self.ex = Exec(self.kernels, sharding.AXIS if self.mesh else None, router_precision, tuple(xla_ops),
-                       tuple((op, tuple(opts)) for op, opts in kernel_options))
+        self.mesh = mesh
+        self.tp = 1 if mesh is None else mesh.size
+        if mesh is not None:
+            sharding.check_tp(self.cfg, self.tp)
         self.graphdef, params = nnx.split(module)
         param_specs = sharding.param_specs(params)
         self.cache_specs = sharding.cache_spec(jax.eval_shape(lambda: init_cache(self.cfg, 1, self.dtype)))
-        if self.mesh is not None:
-            sharding.check_tp(self.cfg, tp)
-            params = sharding.place(params, param_specs, self.mesh)
+        if mesh is not None:
+            params = sharding.place(params, param_specs, mesh)
         leaves, self._param_treedef = jax.tree.flatten(params)
         self.weights = tuple(leaves)  # what every program takes; `params` is the structured view
         self.weight_specs = tuple(self._param_treedef.flatten_up_to(param_specs))
+        self._set_options(options or RunOptions())
+
+    def _set_options(self, options: RunOptions) -> None:
+        """Adopt `options` and start with no compiled program."""
+        self.options = options
+        self.kernels = options.kernels
+        self.ex = options.exec(sharding.AXIS if self.mesh is not None else None)
         ps, cs, rep, vocab = self.weight_specs, self.cache_specs, P(), P(None, sharding.AXIS)
         self._extend_logits = jax.jit(self.sharded(self._extend_logits_impl, (ps, cs, rep, rep), (vocab, cs)),
                                       donate_argnums=(1,))
-        self._prefill_programs, self._decode_programs = {}, {}
-        self._spec_programs = {}
+        self._prefill_programs, self._decode_programs, self._spec_programs = {}, {}, {}
+
+    def variant(self, **changes) -> Model:
+        """This model's weights, mesh and source with RunOptions fields changed (kernels, router_precision,
+        xla_ops, tuning, compile): its own programs, compiled on first use."""
+        other = copy.copy(self)
+        other._set_options(dataclasses.replace(self.options, **changes))
+        return other
 
     @property
     def params(self):
@@ -142,7 +157,7 @@ class Model:
         return jax.tree.unflatten(self._param_treedef, self.weights)
 
     def step_jit(self, fun, **kwargs):
-        return step_jit(fun, self.collectives_in_graphs, self.xla_options, **kwargs)
+        return step_jit(fun, self.options.compile, **kwargs)
 
     def sharded(self, fun, in_specs, out_specs):
         """fun itself without TP; under TP, fun running on each device's shards (shard_map)."""
@@ -265,7 +280,7 @@ def random_model(cfg: LingConfig, dtype, seed: int, mesh=None) -> LingModel:
     its constructor records (lingjax.model._Init). With a mesh every device draws only its own
     shards (partitionable threefry: the same weights for any mesh), so a model larger than one
     device, such as Flash at TP2, never exists whole anywhere. One small program per distinct
-    (shape, dtype, distribution, sharding): a whole-model program took 5 minutes to compile."""
+    (shape, dtype, distribution, sharding), each compiled once."""
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
     base = jax.random.key(seed)
@@ -289,11 +304,11 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "au
     safetensors layout, or a lingjax (orbax) checkpoint written by `lingjax convert`. tp > 1 shards
     it over that many devices (safetensors stream each tensor straight into its shards).
     kernels: "auto" (Pallas on a GPU, the XLA references elsewhere), "pallas" or "xla".
-    router_precision="bf16" runs the MoE gate GEMV on bf16 operands (the seed's speed-up; a declared
-    rounding change, so parity tests keep the default "f32")."""
+    router_precision="bf16" runs the MoE gate GEMV on bf16 operands (faster; a declared rounding
+    change, so parity tests keep the default "f32"). Every argument is checked before any weight is read."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    kernels = kernel_sets.resolve(kernels)  # fails fast, before any weight is read
+    options = RunOptions(kernels=kernels, router_precision=router_precision)
     jdtype = DTYPES[dtype]
     source = str(path_or_preset)
     directory = Path(source)
@@ -305,13 +320,9 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "au
         raise checkpoint.CheckpointError(f"{directory}: no config.json")
     else:
         cfg = LingConfig.from_file(directory / "config.json")
-    mesh = None
-    if tp > 1:  # every parameter goes straight into its shards
-        sharding.check_tp(cfg, tp)
-        mesh = sharding.make_mesh(tp)
+    mesh = sharding.mesh_for(cfg, tp)  # every parameter goes straight into its shards
     if source in PRESETS:
-        module = random_model(cfg, jdtype, seed, mesh)
-        return Model(module, kernels, source=f"preset:{source}", tp=tp, router_precision=router_precision)
+        return Model(random_model(cfg, jdtype, seed, mesh), options, mesh=mesh, source=f"preset:{source}")
     sharding_for = place = None
     if mesh is not None:
 
@@ -325,7 +336,7 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "au
         module = checkpoint.load_orbax(directory, cfg, jdtype, sharding_for=sharding_for)
     else:
         module = checkpoint.load_safetensors(directory, cfg, jdtype, place=place, progress=progress)
-    return Model(module, kernels, source=str(directory), tp=tp, router_precision=router_precision)
+    return Model(module, options, mesh=mesh, source=str(directory))
 
 
 load.__doc__ = load.__doc__.format(presets=", ".join(sorted(PRESETS)))

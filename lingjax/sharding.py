@@ -48,10 +48,17 @@ _BY_NAME = {
 
 
 def make_mesh(tp: int) -> Mesh:
+    """The 1-D mesh of the first tp devices."""
     devices = target.devices()
     if tp < 1 or tp > len(devices):
         raise ValueError(f"tp={tp} needs that many devices; {len(devices)} available")
     return Mesh(np.asarray(devices[:tp]), (AXIS,))
+
+
+def mesh_for(cfg: LingConfig, tp: int) -> Mesh | None:
+    """The mesh every weight and cache of cfg is split over at tp devices (None at tp = 1), after check_tp."""
+    check_tp(cfg, tp)
+    return make_mesh(tp) if tp > 1 else None
 
 
 def param_spec(path: tuple) -> P:

@@ -17,7 +17,7 @@ def test_flash_preset_shape_and_parameter_count():
     assert cfg.kda_head_dim == 128 and cfg.qk_head_dim == 192 and cfg.mla_cache_dim == 576
     without = param_count(abstract_model(cfg, with_mtp=False))
     with_mtp = param_count(abstract_model(cfg, with_mtp=True))
-    assert round(without / 1e9, 1) == 124.4  # ling3_architecture.md §9: 124.41 B
+    assert round(without / 1e9, 1) == 124.4  # docs/model.md §9: 124.41 B
     assert round(with_mtp / 1e9, 1) == 127.5  # 127.49 B
     # §9: MLA 31,965,696 + MoE 3,027,108,352 + eh_proj 2560·5120 + five norms of 2560
     assert with_mtp - without == 31_965_696 + 3_027_108_352 + 2560 * 5120 + 5 * 2560

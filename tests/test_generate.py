@@ -85,7 +85,7 @@ def test_config_eos_stops_unless_ignored():
     full = lingjax.generate(model, prompt, 10, ignore_eos=True).tokens
     import dataclasses
 
-    eos_model = lingjax.Model(model.module, source="test")
+    eos_model = model.variant()
     eos_model.cfg = dataclasses.replace(model.cfg, eos_token_ids=(full[2],))
     result = lingjax.generate(eos_model, prompt, 10)
     assert result.tokens == full[: full.index(full[2]) + 1] and result.stop_reason == "stop"
@@ -128,7 +128,7 @@ def test_bad_requests(kwargs, error):
 def test_pallas_kernels_give_the_same_model():
     """kernels="pallas" (interpret mode on the CPU) against the XLA references, decode and prefill."""
     xla = _tiny()
-    pallas = lingjax.Model(xla.module, kernels="pallas", source="test")
+    pallas = xla.variant(kernels="pallas")
     prompt = _prompt(40, 8)  # > VERIFY_ROWS: the chunked-prefill kernel; then decode steps
     assert rel_err(pallas.logits(prompt), xla.logits(prompt)) < 1e-4
     assert rel_err(pallas.incremental_logits(prompt, 36), xla.incremental_logits(prompt, 36)) < 1e-4
@@ -141,7 +141,7 @@ def test_kernel_set_auto_and_bad_names():
     from lingjax import kernels, target
 
     model = lingjax.load("tiny")
-    assert model.kernels == "xla" and lingjax.Model(model.module, source="test").kernels == "xla"  # CPU here
+    assert model.kernels == "xla" and lingjax.Model(model.module).kernels == "xla"  # CPU here
     with target.compile_for("gpu", jax.devices()):
         assert kernels.resolve("auto") == "pallas" and kernels.resolve("xla") == "xla"
     with pytest.raises(ValueError, match="auto.*xla.*pallas"):
@@ -150,26 +150,28 @@ def test_kernel_set_auto_and_bad_names():
 
 def test_xla_ops_override_one_kernel():
     """xla_ops puts single ops of the Pallas set back on their XLA references (step_bench --xla-ops)."""
+    import dataclasses
+
     from lingjax import kernels
     from lingjax.ops import moe
 
     base = _tiny()
-    mixed = lingjax.Model(base.module, kernels="pallas", source="test", xla_ops=("moe_route",))
+    mixed = base.variant(kernels="pallas", xla_ops=("moe_route",))
     assert mixed.ex.op("moe_route") is moe.route
-    assert mixed.ex.op("moe_experts") is kernels.get("moe_experts", "pallas")
+    assert mixed.ex.runs_pallas("moe_experts") and not mixed.ex.runs_pallas("moe_route")
     prompt = _prompt(20, 3)
     want = base.incremental_logits(prompt, 18)
     calls = []
     real_route = moe.route
     with pytest.MonkeyPatch.context() as mp:  # decode (T = 1) routes on the reference too, not in the up kernel
-        mp.setitem(kernels.OPS, "moe_route", (lambda x, *a, **kw: calls.append(x.shape[0]) or real_route(x, *a, **kw),
-                                              kernels.OPS["moe_route"][1]))
+        spy = lambda x, *a, **kw: calls.append(x.shape[0]) or real_route(x, *a, **kw)  # noqa: E731
+        mp.setitem(kernels.OPS, "moe_route", dataclasses.replace(kernels.OPS["moe_route"], reference=spy))
         assert rel_err(mixed.incremental_logits(prompt, 18), want) < 1e-4
     assert VERIFY_ROWS in calls  # a T = 1 decode's padded rows, besides the 18-token extend
-    experts_on_xla = lingjax.Model(base.module, kernels="pallas", source="test", xla_ops=("moe_experts",))
+    experts_on_xla = base.variant(kernels="pallas", xla_ops=("moe_experts",))
     assert rel_err(experts_on_xla.incremental_logits(prompt, 18), want) < 1e-4  # no Pallas-only options reach it
     with pytest.raises(ValueError, match="unknown ops.*moe_route"):
-        lingjax.Model(base.module, kernels="pallas", source="test", xla_ops=("moe_rout",))
+        base.variant(kernels="pallas", xla_ops=("moe_rout",))
 
 
 def test_cli_generate_streams_tokens(capsys):

@@ -15,14 +15,13 @@ import pytest
 from jax._src.pallas.triton import gpu_info
 
 from lingjax.pallas.grid_dependency import WAIT_ASM
-from lingjax.pallas.kda_chain import kda_chain_verify
+from lingjax.pallas.kda_chain import ChainTuning, kda_chain_verify
 from lingjax.pallas.kda_prefill import kda_chunked_prefill
 from lingjax.pallas.l2_prefetch import PREFETCH_ASM
 from lingjax.pallas.mla_decode import mla_decode_attention
 from lingjax.pallas.moe_align import moe_align
 from lingjax.pallas.moe_experts import fused_experts, routed_experts
 from lingjax.pallas.moe_router import route
-from lingjax.pallas.skinny_linear import skinny_linear
 
 S = jax.ShapeDtypeStruct
 BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -73,11 +72,8 @@ def test_moe_kernels_lower(tokens):
     assert prefetches(routed, *layer) == 0
 
 
-@pytest.mark.parametrize("tokens,opts", [(1, {}), (4, {}), (16, {}), (4, dict(row_loop=False)),
-                                         (1, dict(row_loop=False)), (16, dict(row_loop=False)),
-                                         (4, dict(block_v=16)), (1, dict(deferred_norms=False)),
-                                         (4, dict(deferred_norms=False)), (16, dict(deferred_norms=False))])
-def test_kda_kernels_lower(tokens, opts):  # by default the row loop at every T
+@pytest.mark.parametrize("tokens,opts", [(1, {}), (4, {}), (16, {}), (4, dict(tuning=ChainTuning(block_v=16)))])
+def test_kda_kernels_lower(tokens, opts):
     p = H * DK
     chain = functools.partial(kda_chain_verify, tokens=tokens, num_heads=H, safe_gate=True, lower_bound=-5.0,
                               interpret=False, **opts)
@@ -92,16 +88,10 @@ def test_kda_kernels_lower(tokens, opts):  # by default the row loop at every T
     assert _triton_calls(prefill, *qkv, S((t, H, DK), F32), S((t, H), F32), S((H, DK, DK), F32)) >= 1
 
 
-@pytest.mark.parametrize("n,k,out", [(5 * H * DK, D, BF), (D, H * DK, F32)])  # KDA in_proj, o_proj on one TP2 device
-def test_skinny_linear_lowers(n, k, out):
-    proj = functools.partial(skinny_linear, out_dtype=out, interpret=False)
-    assert _triton_calls(proj, S((ROWS, k), BF), S((n, k), BF)) == 1
-
-
-@pytest.mark.parametrize("tokens,opts", [(1, {}), (4, {}), (16, {}), (4, dict(block_l=16, splits=16, num_warps=8)),
-                                         (1, dict(splits=64, num_stages=1)), (4, dict(splits=128, num_stages=4))])
-def test_mla_decode_lowers(tokens, opts):
-    """Flash MLA at TP2: 16 heads, nope/rope/value dims 128/64/128, rank 512, the serving bench's capacity."""
-    mla = functools.partial(mla_decode_attention, scale=0.07, tokens=tokens, interpret=False, **opts)
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_mla_decode_lowers(tokens):
+    """Flash MLA at TP2: 16 heads, nope/rope/value dims 128/64/128, rank 512, the serving bench's capacity (other
+    tunings: tests/test_pallas_mla.py)."""
+    mla = functools.partial(mla_decode_attention, scale=0.07, tokens=tokens, interpret=False)
     args = (S((ROWS, 16, 128), BF), S((ROWS, 16, 64), BF), S((9216, 576), BF), S((16 * 256, 512), BF), S((ROWS,), I32))
     assert _triton_calls(mla, *args) == 2  # split, combine

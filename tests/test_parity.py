@@ -51,6 +51,6 @@ def test_bf16_router_keeps_parity(hf_fixture):
     """The declared bf16 router: the fixtures' routing margins survive its rounding, so the logits stay
     within the bf16 tolerance and the greedy tokens are unchanged."""
     ref = _reference(hf_fixture)
-    model = lingjax.Model(_model(hf_fixture, "float32").module, router_precision="bf16")
+    model = _model(hf_fixture, "float32").variant(router_precision="bf16")
     assert rel_err(model.logits(ref["prompt_ids"]), ref["logits"]) <= TOLERANCE["bfloat16"]
     assert lingjax.generate(model, ref["prompt_ids"], 32, ignore_eos=True).tokens == ref["greedy_tokens"].tolist()

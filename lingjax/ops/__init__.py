@@ -1,5 +1,5 @@
 """Plain-JAX reference implementations of every op in the model.
 
 These are the semantics: the model calls them on the "xla" kernel path, and every Pallas kernel in
-lingjax/pallas/ is tested against them. Written from ../shared/design/ling3_architecture.md.
+lingjax/pallas/ is tested against them. The math they implement: docs/model.md.
 """

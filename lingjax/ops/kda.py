@@ -1,4 +1,4 @@
-"""Kimi Delta Attention, Ling variant (ling3_architecture.md §3): conv, gate, recurrence.
+"""Kimi Delta Attention, Ling variant (docs/model.md §3): conv, gate, recurrence.
 
 Shapes: T tokens, H heads, K = V = d head dim, C = 3·H·d conv channels, W conv width.
 The state S_h is [K, V] (rows = key channels), kept in f32.

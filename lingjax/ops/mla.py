@@ -1,4 +1,4 @@
-"""Gated MLA attention core over a latent cache (ling3_architecture.md §4).
+"""Gated MLA attention core over a latent cache (docs/model.md §4).
 
 The cache holds, per token, the normalised latent c [R] and the roped shared key k_pe [r], side by side
 in one [L, R + r] row (R = kv_b_proj's input width). Two equal forms: `mla_expanded` (expand keys/values

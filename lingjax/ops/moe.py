@@ -1,8 +1,9 @@
-"""noaux_tc routing and SwiGLU experts (ling3_architecture.md §5, §6)."""
+"""noaux_tc routing and SwiGLU experts (docs/model.md §5, §6)."""
 
 import jax
 import jax.numpy as jnp
 
+from lingjax.config import VERIFY_ROWS
 from lingjax.ops.linear import linear
 
 F32 = jnp.float32
@@ -63,15 +64,27 @@ def experts_gathered(x, w_gate, w_up, w_down, weights, experts, limit: float = 0
     return jnp.einsum("tkd,tk->td", y, weights)
 
 
+def experts(x, w_gate, w_up, w_down, weights, experts, limit: float = 0.0, *, tokens=None, shared=None,
+            shared_limit: float = 0.0):
+    """The routed experts of x's first T = `tokens` rows (default all): Σ_k w·E_k(x) [T, D] f32, with
+    `shared=(w_gate, w_up, w_down)` plus the shared expert (mlp, clamped at shared_limit).
+
+    x: [R, D], weights/experts: [R, k], rows past T are padding. Gathered weights up to VERIFY_ROWS tokens,
+    sorted grouped GEMMs above. The shared expert runs on all R rows, so its GEMMs have one shape whatever T
+    (row invariance, lingjax.model)."""
+    t = x.shape[0] if tokens is None else tokens
+    routed = experts_gathered if t <= VERIFY_ROWS else experts_sorted
+    y = routed(x[:t], w_gate, w_up, w_down, weights[:t], experts[:t], limit)
+    return y if shared is None else y + mlp(x, *shared, shared_limit)[:t]
+
+
 def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit: float = 0.0, *, top_k, n_group, topk_group,
                    scaling, renormalize, precision="f32", tokens=None, shared=None, shared_limit: float = 0.0):
-    """route, then experts_gathered, of x's first T = `tokens` rows (default all); with `shared=(w_gate, w_up,
-    w_down)` plus the shared expert (mlp, clamped at shared_limit). -> [T, D] f32."""
-    x = x[: x.shape[0] if tokens is None else tokens]
-    weights, experts = route(x, router_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
-                             scaling=scaling, renormalize=renormalize, precision=precision)
-    y = experts_gathered(x, w_gate, w_up, w_down, weights, experts, limit)
-    return y if shared is None else y + mlp(x, *shared, shared_limit)
+    """route (on all of x's rows), then `experts` of the first T = `tokens` rows (default all) -> [T, D] f32."""
+    weights, chosen = route(x, router_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                            scaling=scaling, renormalize=renormalize, precision=precision)
+    return experts(x, w_gate, w_up, w_down, weights, chosen, limit, tokens=tokens, shared=shared,
+                   shared_limit=shared_limit)
 
 
 def experts_sorted(x, w_gate, w_up, w_down, weights, experts, limit: float = 0.0):

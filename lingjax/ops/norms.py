@@ -1,4 +1,4 @@
-"""RMSNorm variants (ling3_architecture.md §2, §3.5, §3.7)."""
+"""RMSNorm variants (docs/model.md §2, §3.5, §3.7)."""
 
 import jax
 import jax.numpy as jnp

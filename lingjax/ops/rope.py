@@ -1,4 +1,4 @@
-"""Interleaved (GPT-J) rotary embedding on the MLA rope dims (ling3_architecture.md §4.3)."""
+"""Interleaved (GPT-J) rotary embedding on the MLA rope dims (docs/model.md §4.3)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,17 +1,10 @@
-"""Hopper's programmatic dependent launch (PDL) inside the Pallas kernels: `griddepcontrol.wait`.
+"""`griddepcontrol.wait` for the Pallas kernels: every kernel starts with it (`after_producers`, applied by
+lingjax.pallas.pallas_call), because the step programs run with programmatic dependent launch and a kernel may be
+launched before the kernels it depends on finish (docs/kernels/launch.md). Without PDL the wait returns at once;
+in interpret mode it does nothing.
 
-The step programs run with XLA's `xla_gpu_enable_pdl` (lingjax.runtime.step_compiler_options): a kernel
-may then be launched while the one before it on the stream still runs, and must execute
-`griddepcontrol.wait` before it touches memory that kernel writes or reads (buffers are reused). XLA
-puts the wait into the kernels it generates, not into a Pallas kernel's Triton IR, yet it launches the
-Pallas kernels with PDL too: on the H200 a wait at their top changed their timing with PDL on and not
-without it (bench/results/pdl_h200_2026-12-01.md). So every kernel of lingjax.pallas starts with the
-wait (`after_producers`, applied by lingjax.pallas.pallas_call). Without PDL the wait returns at once.
-
-Pallas's `elementwise_inline_asm` marks its asm pure: the compiler could move loads above it, and drops
-it when its result is unused. The primitive here emits the asm with side effects, as Triton's own
-gdc_wait does, which keeps every load and store of the kernel after it. In interpret mode it does
-nothing.
+The primitive emits the asm with side effects (Pallas's elementwise_inline_asm is pure: loads could move above it,
+and it is dropped when unused), which keeps every load and store of the kernel after it.
 """
 
 from __future__ import annotations

@@ -1,47 +1,15 @@
-"""Chunked KDA prefill in Pallas: the chunked form of the gated delta rule (ling3_architecture.md §3),
-split like fla's chunk_kda into parallel intra-chunk phases and one serial pass over the chunks.
+"""Chunked KDA prefill in Pallas: the contract of lingjax.ops.kda.kda_chunked (and kda_recurrent).
 
-Per head and chunk of C tokens with incoming state S, G_t = Σ_{i<=t} g_i (from the chunk start, [K]):
-  M[t,s] = β_t Σ_k k_t k_s e^{G_t-G_s} (s < t),  A[t,s] = Σ_k q_t k_s e^{G_t-G_s} (s <= t)
-  X = (I + M)^-1,  R = β k e^G,  B = β v,  W = X R,  U = X B
-  V_new = U - W S,  O = (q e^G) S + A V_new = (q e^G - A W) S + A U
-  S <- e^{G_C} S + (k e^{G_C-G})ᵀ V_new
-Phase 1a (`_blocks_kernel`, grid (head, chunk)): the [C, C] matrices X and A.
-Phase 1b (`_prepare_kernel`, grid (head, chunk)): W, U, Q' = q e^G - A W, O' = A U, KDᵀ = (k e^{G_C-G})ᵀ
-  (stored transposed: the K-major operand tf32 wgmma wants in phase 2) and γ = e^{G_C}, with full-chunk
-  dots: everything that does not depend on S.
-Phase 2 (`_state_kernel`, grid (head, V tile)) walks the chunks in order with only S-dependent work:
-  O = Q' S + O',  S <- γ S + KDᵀ (U - W S).
-With fuse_output=False phase 2 stores each chunk's incoming S instead of O, and phase 3 (`_output_kernel`,
-grid (head, chunk, V tile)) forms O = Q' S + O' in parallel (fla's chunk_fwd_h / chunk_fwd_o split).
+Three launches over chunks of C tokens, split like fla's chunk_kda: per (head, chunk) the [C, C] matrices
+(I + M)^-1 and A (`_blocks_kernel`), then everything else that does not depend on the state
+(`_prepare_kernel`); then one serial pass over the chunks per (head, V tile) (`_state_kernel`) that carries
+the state and writes the output. The math, the phases and their tiles: docs/kernels/kda.md.
 
-Phase 1a, like fla's fused inter + solve kernel, is one program per (head, chunk) that makes ONE pass over
-K in pieces of BK columns, loading each sub-chunk of D = 16 rows once per piece and accumulating all
-nb(nb+1)/2 lower D x D blocks of M and A at once (nb = C/D; Triton has no value slicing, so each block is
-its own array and the stores assemble the [C, C] rows). Then X: diagonal blocks by the doubling product
-(I+M)^-1 = (I-M)(I+M²)(I+M⁴)... (M is nilpotent), the rest by block forward substitution
-X_ij = -X_ii Σ_m M_im X_mj. The pairwise decay e^{G_t-G_s} is factored as e^{G_t-r}·e^{r-G_s} with r = G at
-the middle row of t's sub-chunk. For s in an earlier sub-chunk the s factor is <= 1 (G only falls); the t
-factor, and both factors in the diagonal block, are at most e^{8·max|g|}. Both must stay clear of f32's
-subnormals (e^-87, flushed to zero): a term q_t·k_s whose scaled factor underflows is lost, so the gate
-must satisfy g > -8.6 for such losses to stay below 1e-8 of the output scale. The safe gate
-(g > lower_bound = -5) keeps the factors within e^±40. (D = 32 would reach e^±80 at g = -5 and lose ~1e-4
-there: measured.) G is recomputed per piece from g (a cumsum of D rows plus the carried last row) instead
-of a separate cumsum pass: that pass would write G ([T, H, K] f32) and both phase-1 kernels read it back.
-
-Precision (`precision`, default by input dtype; interpret mode runs the f32 dots in f32 (HIGHEST) but
-applies the bf16 rounding, so CPU tests see the bf16 path's real error):
-  "tf32x3" (default for f32 inputs, ~f32 accuracy: each dot's error reaches the output at O(1) weight, so
-    plain tf32's 2^-11 rounding shows as ~5e-4 relative error) and "ieee" (FMA, slow): every dot in f32.
-  "tf32": every dot one tf32 pass (~5e-4).
-  "bf16" (default when q, k, v are bf16; ~3e-3): as fla's chunk_kda. M, A and the inverse X are formed in
-    tf32 (their inputs carry e^{±40} scale factors, and X's error feeds every later product); X, A, W, U,
-    Q' and KD are stored as bf16 (as fla stores them: half the traffic between the phases), and S and
-    V_new are rounded to bf16 where they enter a dot, so every other dot is a bf16 tensor-core dot with
-    f32 accumulation. The state S itself, the accumulators, O' (added to the output without a dot) and γ
-    stay f32.
-
-Reference: lingjax.ops.kda.kda_chunked (and kda_recurrent).
+The gate must satisfy g > -8.6 (the safe gate's g > -5 does): the in-chunk decays are factored around
+16-row sub-chunks, and a larger |g| lets a factor underflow f32. The precision follows q, k, v's dtype:
+bf16 inputs take fla's bf16 path (bf16 operands between the phases and in most dots, f32 state and
+accumulators; ~3e-3 relative error), anything else the f32 path (every dot as 3-pass tf32, ~f32
+accuracy). Interpret mode runs the f32 dots in f32 and keeps the bf16 roundings.
 """
 
 from __future__ import annotations
@@ -57,7 +25,25 @@ from jax.experimental.pallas import triton as pltriton
 
 from lingjax.pallas import pallas_call, resolve_interpret
 
-SUB = 16  # phase 1a's sub-chunk rows (D)
+SUB = 16  # phase 1a's sub-chunk rows (D): sets the gate's bound (module docstring), so not a tuning choice
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTuning:
+    """kda_chunked_prefill's launch shapes (performance only; the chunk and tiles change rounding alone).
+    chunk: C, a power of two >= 16, every phase's chunk (T is padded up to a multiple of it); block_k /
+    prepare_block_k: the K column pieces of phases 1a / 1b (1b's also its V pieces); state_block_k x
+    block_v: phase 2's state pieces, one program per head and V tile; blocks_warps: phase 1a's warps
+    (its 16 x 16 dots are replicated across warps, so more warps only split its loads and exps);
+    num_warps: the other phases'; num_stages: every phase's."""
+    chunk: int = 64
+    block_k: int = 16
+    prepare_block_k: int = 64
+    state_block_k: int = 64
+    block_v: int = 32
+    blocks_warps: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +57,11 @@ class _Prec:
 
 PRECISIONS = {
     "tf32x3": _Prec(lax.DotAlgorithmPreset.TF32_TF32_F32_X3, lax.DotAlgorithmPreset.TF32_TF32_F32_X3),
-    "tf32": _Prec(lax.Precision.DEFAULT, lax.Precision.DEFAULT),
-    "ieee": _Prec(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
     "bf16": _Prec(lax.Precision.DEFAULT, lax.Precision.DEFAULT, jnp.bfloat16),
 }
 
 
-def default_precision(q, k, v) -> str:
+def precision_for(q, k, v) -> str:
     """bf16 activations get fla's bf16 path (error ~3e-3, within bf16's 1e-2); anything else the f32 path."""
     return "bf16" if all(a.dtype == jnp.bfloat16 for a in (q, k, v)) else "tf32x3"
 
@@ -211,10 +195,10 @@ def _prepare_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, x_ref, a_ref,  # inputs
 
 
 def _state_kernel(w_ref, u_ref, qp_ref, op_ref, kd_ref, gl_ref, s_ref,  # inputs
-                  out_ref, sf_ref,  # outputs
-                  *, chunk, block_k, block_v, fuse_output, prec):
+                  o_ref, sf_ref,  # outputs
+                  *, chunk, block_k, block_v, prec):
     # w_ref, qp_ref [H, T, K]; kd_ref [H, K, T]; u_ref, op_ref [H, T, V]; gl_ref [H, T/C, K]; s_ref [H, K, V]
-    # -> out_ref: o [T, H, V] (fuse_output) or the state entering each chunk [H, T/C, K, V]; sf_ref [H, K, V]
+    # -> o_ref [T, H, V]; sf_ref [H, K, V] (f32)
     h, j = pl.program_id(0), pl.program_id(1)
     v0 = pl.ds(j * block_v, block_v)
     pieces = [pl.ds(p * block_k, block_k) for p in range(s_ref.shape[1] // block_k)]  # the state's K rows
@@ -222,11 +206,7 @@ def _state_kernel(w_ref, u_ref, qp_ref, op_ref, kd_ref, gl_ref, s_ref,  # inputs
 
     def body(c, s):  # s: the state entering chunk c, as [BK, BV] f32 pieces
         t = pl.ds(c * chunk, chunk)
-        if fuse_output:
-            out_ref[t, h, v0] = sum(dot(qp_ref[h, t, kc], sp) for kc, sp in zip(pieces, s)) + op_ref[h, t, v0]
-        else:
-            for kc, sp in zip(pieces, s):
-                out_ref[h, c, kc, v0] = sp
+        o_ref[t, h, v0] = sum(dot(qp_ref[h, t, kc], sp) for kc, sp in zip(pieces, s)) + op_ref[h, t, v0]
         v_new = u_ref[h, t, v0] - sum(dot(w_ref[h, t, kc], sp) for kc, sp in zip(pieces, s))  # [C, BV]
         return tuple(gl_ref[h, c, kc][:, None] * sp + dot(kd_ref[h, kc, t], v_new)
                      for kc, sp in zip(pieces, s))
@@ -236,89 +216,84 @@ def _state_kernel(w_ref, u_ref, qp_ref, op_ref, kd_ref, gl_ref, s_ref,  # inputs
         sf_ref[h, kc, v0] = sp
 
 
-def _output_kernel(qp_ref, op_ref, hs_ref, o_ref, *, chunk, block_v, prec):
-    # qp_ref [H, T, K]; op_ref [H, T, V]; hs_ref [H, T/C, K, V] -> o_ref [T, H, V]
-    h, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t, v0 = pl.ds(c * chunk, chunk), pl.ds(j * block_v, block_v)
-    o_ref[t, h, v0] = _op_dot(qp_ref[h, t, :], hs_ref[h, c, :, v0], prec=prec) + op_ref[h, t, v0]
-
-
 def _call(kernel, grid, out_shape, *args, num_warps, num_stages, interpret, name):
     return pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
                        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages))(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "prepare_block_k", "blocks_warps", "num_warps",
-                                             "num_stages", "precision", "interpret"))
-def intra_chunk(q, k, v, g, beta, *, chunk: int = 64, block_k: int = 16, prepare_block_k: int = 64,
-                blocks_warps: int = 1, num_warps: int = 4, num_stages: int = 2, precision: str | None = None,
-                interpret=None):
-    """Phases 1a and 1b on inputs padded to a multiple of `chunk`: (W, Q' [H, T, K]; U [H, T, V]; O'
-    [H, T, V] f32; KDᵀ [H, K, T]; γ [H, T/C, K] f32), W, Q', U, KDᵀ in the precision's operand dtype.
-    Split out so the bench can time phase 1 alone."""
+def _tiles(dk: int, dv: int, tuning: PrefillTuning) -> dict:
+    """The tiles after clamping to the head dims."""
+    return dict(block_k=min(tuning.block_k, dk), prepare_block_k=min(tuning.prepare_block_k, dk, dv),
+                state_block_k=min(tuning.state_block_k, dk), block_v=min(tuning.block_v, dv))
+
+
+def _intra_chunk(q, k, v, g, beta, *, tuning: PrefillTuning, prec: _Prec, interpret: bool):
+    """Phases 1a and 1b on inputs padded to a multiple of the chunk: (W, Q' [H, T, K]; U [H, T, V]; O'
+    [H, T, V] f32; KDᵀ [H, K, T]; γ [H, T/C, K] f32), W, Q', U, KDᵀ in the precision's operand dtype."""
     t, h, dk = k.shape
     dv = v.shape[-1]
-    block_k, prepare_block_k = min(block_k, dk), min(prepare_block_k, dk, dv)
+    chunk, tiles = tuning.chunk, _tiles(dk, dv, tuning)
+    block_k, prepare_block_k = tiles["block_k"], tiles["prepare_block_k"]
     assert t % chunk == 0 and chunk >= SUB and chunk & (chunk - 1) == 0, (t, chunk)
     assert dk % block_k == 0 and dk % prepare_block_k == 0 and dv % prepare_block_k == 0, (dk, dv)
-    interpret = resolve_interpret(interpret)
-    prec = _resolve(precision or default_precision(q, k, v), interpret)
-    opts = dict(num_stages=num_stages, interpret=interpret)
+    opts = dict(num_stages=tuning.num_stages, interpret=interpret)
     f32, op, nc = jnp.float32, prec.operand, t // chunk
     tc = jax.ShapeDtypeStruct((h, t, chunk), op)
     x, a = _call(functools.partial(_blocks_kernel, chunk=chunk, block_k=block_k, prec=prec), (h, nc), (tc, tc),
-                 q, k, g, beta, name="kda_prefill_blocks", num_warps=blocks_warps, **opts)
+                 q, k, g, beta, name="kda_prefill_blocks", num_warps=tuning.blocks_warps, **opts)
     shapes = (jax.ShapeDtypeStruct((h, t, dk), op), jax.ShapeDtypeStruct((h, t, dv), op),
               jax.ShapeDtypeStruct((h, t, dk), op), jax.ShapeDtypeStruct((h, t, dv), f32),
               jax.ShapeDtypeStruct((h, dk, t), op), jax.ShapeDtypeStruct((h, nc, dk), f32))
     return _call(functools.partial(_prepare_kernel, chunk=chunk, block_k=prepare_block_k, prec=prec), (h, nc),
-                 shapes, q, k, v, g, beta, x, a, name="kda_prefill_prepare", num_warps=num_warps, **opts)
+                 shapes, q, k, v, g, beta, x, a, name="kda_prefill_prepare", num_warps=tuning.num_warps, **opts)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_k", "prepare_block_k", "state_block_k", "block_v",
-                                             "fuse_output", "blocks_warps", "num_warps", "num_stages", "precision",
-                                             "interpret"))
-def kda_chunked_prefill(q, k, v, g, beta, state, chunk: int = 64, *, block_k: int = 16, prepare_block_k: int = 64,
-                        state_block_k: int = 64, block_v: int = 32, fuse_output: bool = True, blocks_warps: int = 1,
-                        num_warps: int = 4, num_stages: int = 2, precision: str | None = None, interpret=None):
-    """Same arguments and results as lingjax.ops.kda.kda_chunked: (o [T, H, V] f32, final state [H, K, V]).
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
 
-    `chunk` (C, a power of two >= 16): the chunk of every phase (the gate must satisfy g > -8.6, see the
-    module docstring). `precision`: a PRECISIONS name; None picks by the inputs' dtype (default_precision).
-    Tiles: `block_k` / `prepare_block_k`: the column pieces of phases 1a / 1b; `state_block_k` x `block_v`:
-    phase 2's state pieces (one program per head and V tile). Warps: `blocks_warps` for phase 1a (its D x D
-    dots are replicated across warps by Triton's mma layout, so more warps only split the loads and exps),
-    `num_warps` for the rest; `num_stages` for all. block_k = 16 with one warp in phase 1a took 8192 tokens
-    in 1392 and 1337 µs where block_k = 32 with two took 1805 and 1734, each pair in one process on the
-    H200 (bench/results/kda_h200x2_2026-11-30_run2.md). Padding rows (g = 0, beta = 0) leave the state as is,
-    so T is padded up to a multiple of C here. Phase 2 at the defaults takes 144 KiB of shared memory with
-    f32 operands (sm_90, Triton 3.9; num_stages=3 would exceed the H200's).
-    """
+
+def supports(q, k, v, g, beta, state, *, tuning: PrefillTuning = PrefillTuning(), interpret=None) -> str | None:
+    """None when kda_chunked_prefill takes these arguments and lowers to Triton (only .shape and .dtype are
+    read), else the reason: the phases' blocks need power-of-2 sizes and their dots 16 or more per side
+    (smaller dots lower and compile, but on the H200 their results can be wrong: docs/kernels/kda.md)."""
+    dk, dv = k.shape[-1], v.shape[-1]
+    c = tuning.chunk
+    if not (_is_pow2(c) and c >= SUB):
+        return f"the prefill chunk {c} is not a power of 2 of at least {SUB}"
+    for name, n in (("key", dk), ("value", dv)):
+        if not _is_pow2(n):
+            return f"KDA {name} head dim {n} is not a power of 2, as a Triton block must be"
+    for name, n in _tiles(dk, dv, tuning).items():  # each a side of a dot
+        if n < 16:
+            what = f"KDA head dim {n}" if n == min(dk, dv) else f"the prefill tile {name} = {n}"
+            return f"{what} is below the 16 a Triton dot needs"
+        if not _is_pow2(n):
+            return f"the prefill tile {name} = {n} is not a power of 2"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
+def kda_chunked_prefill(q, k, v, g, beta, state, *, tuning: PrefillTuning = PrefillTuning(), interpret=None):
+    """Same arguments and results as lingjax.ops.kda.kda_chunked: q, k, g [T, H, K]; v [T, H, V]; beta
+    [T, H]; state [H, K, V] -> (o [T, H, V] f32, final state [H, K, V] f32). Padding rows (g = 0, beta = 0)
+    leave the state as is, so T is padded up to a multiple of the chunk here."""
     t_len, h, dk = k.shape
     dv = v.shape[-1]
-    block_v, state_block_k = min(block_v, dv), min(state_block_k, dk)
+    tiles = _tiles(dk, dv, tuning)
+    block_v, state_block_k = tiles["block_v"], tiles["state_block_k"]
     assert dv % block_v == 0 and dk % state_block_k == 0, (dk, dv, block_v, state_block_k)
-    precision = precision or default_precision(q, k, v)
+    interpret = resolve_interpret(interpret)
+    prec = _resolve(precision_for(q, k, v), interpret)
+    chunk = tuning.chunk
     pad = -t_len % chunk
     if pad:
         q, k, v, g, beta = (jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (q, k, v, g, beta))
-    tp, nc = t_len + pad, (t_len + pad) // chunk
-    w, u, qp, op, kd, gl = intra_chunk(q, k, v, g, beta, chunk=chunk, block_k=block_k,
-                                       prepare_block_k=prepare_block_k, blocks_warps=blocks_warps,
-                                       num_warps=num_warps, num_stages=num_stages, precision=precision,
-                                       interpret=interpret)
-    interpret = resolve_interpret(interpret)
-    prec = _resolve(precision, interpret)
-    opts = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    tp = t_len + pad
+    w, u, qp, op, kd, gl = _intra_chunk(q, k, v, g, beta, tuning=tuning, prec=prec, interpret=interpret)
     f32 = jnp.float32
-    o_shape = jax.ShapeDtypeStruct((tp, h, dv), f32)
-    states_shape = jax.ShapeDtypeStruct((h, nc, dk, dv), f32)  # the state entering each chunk
-    out, final = _call(
-        functools.partial(_state_kernel, chunk=chunk, block_k=state_block_k, block_v=block_v,
-                          fuse_output=fuse_output, prec=prec), (h, dv // block_v),
-        (o_shape if fuse_output else states_shape, jax.ShapeDtypeStruct((h, dk, dv), f32)),
-        w, u, qp, op, kd, gl, state.astype(f32), name="kda_prefill_state", **opts)
-    if not fuse_output:
-        out = _call(functools.partial(_output_kernel, chunk=chunk, block_v=block_v, prec=prec),
-                    (h, nc, dv // block_v), o_shape, qp, op, out, name="kda_prefill_output", **opts)
-    return out[:t_len], final
+    o, final = _call(
+        functools.partial(_state_kernel, chunk=chunk, block_k=state_block_k, block_v=block_v, prec=prec),
+        (h, dv // block_v), (jax.ShapeDtypeStruct((tp, h, dv), f32), jax.ShapeDtypeStruct((h, dk, dv), f32)),
+        w, u, qp, op, kd, gl, state.astype(f32), name="kda_prefill_state", num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages, interpret=interpret)
+    return o[:t_len], final

@@ -1,45 +1,17 @@
-"""Absorbed MLA attention for decode and verify (T <= 16 query rows) in Pallas: split-L flash decoding
-straight from the bf16 latent cache, reading only the slots the rows can see.
+"""Absorbed MLA attention for decode and verify (up to VERIFY_ROWS query rows) in Pallas: split-L flash
+decoding straight from the latent cache, reading only the slots the rows can see (docs/kernels/mla.md).
 
-XLA's form of lingjax.ops.mla.mla_absorbed converts the whole cache (all `capacity` slots, 9216 in the
-serving bench) to f32 once per layer and forward, writes that copy and reads it back for the scores and
-again for the context, in ~10 launches whatever the context length. Here:
-  1. `_split_kernel`, grid (split s, block of BM query rows): each (token, head) row's scores against a
-     tile of BL cache slots are q_lat · c + q_pe · k_pe (the cache row is [c | k_pe], R + r wide), masked
-     to slots <= the row's position, folded into an online softmax (running max m, sum l, context acc
-     [BM, R] = Σ p c). Split s takes tiles s, s + S, s + 2S, ... and stops after the block's last visible
-     tile, so a 256-token context reads 256 slots, not the capacity. The tile loop is Triton's scf.for
-     (Pallas lowers a fori_loop with a traced bound to it), so num_stages > 1 software-pipelines the
-     cache loads: at 8192 tokens this kernel went from 33-36 to 18-21 µs with 3 stages (on the H200).
-     Writes (m, l, acc) per split; a split without tiles writes m = -inf, l = 0, acc = 0.
-  2. `_combine_kernel`, grid (block of BM rows over all `rows` x H rows, BR columns of R): every split's
-     partials in one [S, BM, BR] load, ctx = Σ e^{m_s - M} acc_s / Σ e^{m_s - M} l_s in one reduction
-     over S; rows past `tokens` are zeros. (Walking the splits in a loop instead took 16-18 µs at 8192
-     tokens against 3.6; summing all S in one program per row block took 45-470 µs.)
-kv_b_proj's two halves stay in XLA on either side (lingjax.ops.mla.absorb_query, shared with the reference):
-q_lat = q_nope W_uk on all rows, and o = ctx W_uv.
+Two launches: `_split_kernel` folds each split's cache tiles into online-softmax partials (running max m,
+sum l, context acc); `_combine_kernel` merges every split's partials in one reduction. kv_b_proj's two
+halves stay in XLA on either side (lingjax.ops.mla.absorb_query, shared with the reference). A row's result
+depends on its own query, position and the cache alone, at every T (row invariance, lingjax.model).
 
-Row invariance (lingjax.model: a verify's row t must equal plain decode's row bit for bit): a row's
-result depends on its own q, position and the cache alone. The tile-to-split map is fixed (it does not
-follow the other rows' positions), and a tile a row cannot see leaves its (m, l, acc) exactly as they
-were: its scores are -inf, so alpha = e^0 = 1 and p = 0. Each dot's rows are independent, and both
-kernels' shapes and loop orders are the same at every T.
-
-Dots: a bf16 cache's tile stays bf16 (exact) and the f32 operand (q, then p) goes in as two bf16 halves,
-two bf16 tensor-core dots each, accurate to ~2^-16 (tf32 dots on a tile converted to f32 were 2^-11, and
-slower: the f32 copy of every tile). An f32 cache (the CPU parity models) takes f32 dots.
-
-Measured on the H200 (bench/results/mla_h200x2_2026-11-30_run2.md, Flash TP2 share, defaults): 18-19 µs
-against XLA's 87 at 256 tokens of context, 33-35 against 87-88 at 8192 (8x the floor of the slots read).
-In the Flash TP2 step at 8192 tokens, each change against the form before it in one process: the block
-combine with bf16 halves, decode -5.2% and the round -2.5%; then 3 stages, decode -5.3%, round -0.8%.
-(The first version was 4.0% and 1.8% faster than XLA's form.)
-
-Reference: lingjax.ops.mla.mla_absorbed (math in ling3_architecture.md §4).
+Reference: lingjax.ops.mla.mla_absorbed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -48,11 +20,33 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops.mla import absorb_query
-from lingjax.pallas import _NT, pallas_call, pow2_tile, resolve_interpret
+from lingjax.pallas import _NT, is_pow2, pallas_call, pow2_tile, resolve_interpret
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 BM = 16  # query rows per program: the tensor cores' minimum M; one token's heads at H = 16 (Flash at TP2)
 _NN = (((1,), (0,)), ((), ()))  # a [M, K] · b [K, N]
+# The least contraction a tensor-core dot computes right on the H200 (bf16 operands, or f32 ones as TF32); the
+# Triton IR lowers smaller ones, which then give wrong results (docs/kernels/mla.md).
+_MIN_K = {jnp.dtype(BF16): 16, jnp.dtype(F32): 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class MLATuning:
+    """Performance-only choices of mla_decode_attention; the defaults are the model's."""
+
+    block_l: int = 32  # cache slots per tile, at most: the largest power of 2 up to this dividing L
+    splits: int = 32  # split programs along the cache per block of BM rows (a power of 2)
+    num_warps: int = 4  # both launches
+    num_stages: int = 3  # Triton's software pipelining of the split kernel's tile loop (the combine takes 1)
+    combine_partials: int = 16384  # partials a combine program loads: its BR columns of R from S x BM x BR
+
+    def tile_l(self, capacity: int) -> int:
+        """BL: the cache slots of one tile."""
+        return pow2_tile(capacity, self.block_l)
+
+    def tile_r(self, rank: int) -> int:
+        """BR: the latent columns of one combine program (at least 16 where R allows)."""
+        return pow2_tile(rank, max(16, self.combine_partials // (self.splits * BM)))
 
 
 def _parts(x, halves):
@@ -76,7 +70,8 @@ def _split_kernel(qr_ref, qp_ref, pos_ref, cache_ref, acc_ref, m_ref, l_ref, *, 
                   scale):
     # qr_ref [rows x H, R] f32 and qp_ref [rows x H, r], row t*H + h; pos_ref [rows] int32; cache_ref
     # [L, R + r] -> acc_ref [S, N, R] f32, m_ref / l_ref [S, N] f32 for the first `real` = T x H rows
-    # (N: `real` rounded up to BM; the rows between are padding, seeing nothing)
+    # (N: `real` rounded up to BM; the rows between are padding, seeing nothing). Split s folds tiles
+    # s, s + S, ... up to the block's last visible one.
     s, b = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(b * BM, BM)
     idx = b * BM + jnp.arange(BM)  # row t*H + h
@@ -133,21 +128,42 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, real, block_r):
         o_ref[pl.ds(b * BM, BM), cols] = jnp.zeros((BM, block_r), F32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tokens", "block_l", "splits", "num_warps", "num_stages",
-                                             "interpret"))
-def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens=None, block_l: int = 32,
-                         splits: int = 32, num_warps: int = 4, num_stages: int = 3, interpret=None):
+def supports(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens=None, tuning: MLATuning = MLATuning(),
+             interpret=None) -> str | None:
+    """None when mla_decode_attention lowers to Triton and computes right on the H200 for these arguments
+    (only .shape and .dtype are read), else why not: every block it holds has power-of-2 dimensions, and
+    each dot contracts at least 16 bf16 or 8 f32 values (R and r, and BL slots)."""
+    del q_nope, positions, scale, tokens, interpret
+    rank, r, dtype = w_kvb.shape[-1], q_pe.shape[-1], jnp.dtype(cache.dtype)
+    if dtype not in _MIN_K:
+        return f"MLA cache dtype {dtype} is neither bfloat16 nor float32, the two the kernel's dots take"
+    if not is_pow2(rank):
+        return f"MLA kv_lora_rank {rank} is not a power of 2, which every Triton block needs"
+    if not is_pow2(r):
+        return f"MLA rope head dim {r} is not a power of 2, which every Triton block needs"
+    if not is_pow2(tuning.splits):
+        return f"MLA splits {tuning.splits} is not a power of 2 (the combine holds every split's partials)"
+    least = f"the {_MIN_K[dtype]} values a {dtype} tensor-core dot must contract"
+    block_l = tuning.tile_l(cache.shape[0])
+    for k, what in ((rank, f"kv_lora_rank {rank} is"), (r, f"rope head dim {r} is"),
+                    (block_l, f"cache tiles of {block_l} slots (a {cache.shape[0]}-slot cache) are")):
+        if k < _MIN_K[dtype]:
+            return f"MLA {what} below {least}"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tokens", "tuning", "interpret"))
+def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens=None,
+                         tuning: MLATuning = MLATuning(), interpret=None):
     """Same arguments and result as lingjax.ops.mla.mla_absorbed: q_nope [rows, H, n], q_pe [rows, H, r],
     cache [L, R + r] (latent | k_pe), w_kvb [H*(n+v), R], positions [rows] -> o [rows, H, v] f32, zero
-    past row `tokens`. block_l: cache slots per tile (a power of 2 dividing L, at most this);
-    splits: programs along the cache per block of rows; num_stages: Triton's software pipelining of the
-    split kernel's tile loop (its cache loads issued that many tiles ahead)."""
+    past row `tokens`. The shapes the GPU takes: `supports`."""
     rows, h, _ = q_nope.shape
     rank = w_kvb.shape[-1]
     r = q_pe.shape[-1]
     tokens = rows if tokens is None else tokens
     assert cache.shape[1] == rank + r and 1 <= tokens <= rows, (cache.shape, rank, r, tokens, rows)
-    block_l = pow2_tile(cache.shape[0], block_l)
+    block_l, splits = tuning.tile_l(cache.shape[0]), tuning.splits
     interpret = resolve_interpret(interpret)
     q_lat, w_uv = absorb_query(q_nope, w_kvb)  # every row, as the reference (row invariance)
     real = tokens * h
@@ -155,19 +171,19 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
     positions = positions.astype(jnp.int32)
 
     def params(stages):
-        return None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=stages)
+        return None if interpret else pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=stages)
 
     acc, m, l = pallas_call(
         functools.partial(_split_kernel, heads=h, real=real, block_l=block_l, splits=splits, scale=float(scale)),
         grid=(splits, n_rows // BM),
         out_shape=(jax.ShapeDtypeStruct((splits, n_rows, rank), F32), jax.ShapeDtypeStruct((splits, n_rows), F32),
                    jax.ShapeDtypeStruct((splits, n_rows), F32)),
-        compiler_params=params(num_stages),
+        compiler_params=params(tuning.num_stages),
         interpret=interpret,
         name="mla_decode_split",
     )(q_lat.reshape(rows * h, rank), q_pe.reshape(rows * h, r), positions, cache)
     out_rows = pl.cdiv(rows * h, BM) * BM
-    block_r = pow2_tile(rank, max(16, 16384 // (splits * BM)))  # ~16K partials a program
+    block_r = tuning.tile_r(rank)
     ctx = pallas_call(
         functools.partial(_combine_kernel, real=real, block_r=block_r),
         grid=(out_rows // BM, rank // block_r),
