@@ -1,18 +1,30 @@
-"""Pallas MoE kernels (router, pair-axis align, fused experts) in interpret mode against lingjax.ops.moe,
-plus the HF-fixture float32 parity with kernels="pallas" (KDA entries pointed at their references)."""
+"""Pallas MoE kernels (router, pair-axis align, fused experts) in interpret mode against lingjax.ops.moe, their
+supports() against the Triton lowering for an H200, plus the HF-fixture float32 parity with kernels="pallas"
+(KDA entries pointed at their references).
+
+Interpret mode fills every output with NaN before a kernel runs (jax 0.11.2: pallas' hlo_interpreter
+initialises outputs with primitives.uninitialized_value; test_interpret_mode_fills_outputs_with_nan holds
+it), so a row no kernel wrote reaches rel_err as NaN and fails it."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 import lingjax
-from conftest import REORDER_TOL, fixture_dirs, key_for, rel_err
-from lingjax import kernels
+from conftest import FIXTURES, REORDER_TOL, fixture_dirs, key_for, rel_err
+from lingjax.config import VERIFY_ROWS, LingConfig, preset
+from lingjax.engine import PREFILL_CHUNK
 from lingjax.ops import moe
+from lingjax.pallas import MIN_DOT_K, reads_one_row
 from lingjax.pallas.moe_align import PAIR_LIMIT, align_reference, moe_align
-from lingjax.pallas.moe_experts import fused_experts, one_token_tiles, routed_experts
-from lingjax.pallas.moe_router import LEGACY, partial_logits, route
+from lingjax.pallas.moe_experts import (ExpertTuning, fused_experts, one_token_tiles, routed_experts,
+                                        supports_fused_experts, supports_routed_experts)
+from lingjax.pallas.moe_router import RouterTuning, partial_logits, route
+from lingjax.pallas.moe_router import supports as supports_route
 
 D, I, E = 64, 32, 16
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -79,14 +91,16 @@ def _router_inputs(t, d, e):
             0.1 * jax.random.normal(ks[2], (e,)))
 
 
-VARIANTS = {"default": {}, "legacy": LEGACY, "ks=2 select 1 warp": dict(k_splits=2, select_warps=1)}
+DEFAULT = {"default": {}}
+# the router cases also run a non-default tuning: another K split (partials summed over 2) and select warps
+VARIANTS = dict(DEFAULT, **{"ks=2 select 1 warp": dict(tuning=RouterTuning(k_splits=2, select_warps=1))})
 FLASH_ROUTING = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)
 
 
-def _check_route(x, w, b, cfg, precision="f32", variants=VARIANTS):
-    """Every router variant equals the reference: the same ids in the same (lax.top_k) order, weights to 1e-5.
-    precision="bf16" rounds x and W to bf16 (products then exact in f32): it equals the reference on the rounded
-    inputs (against the f32 reference, logits move ~1e-2 relative and near-tied experts may swap)."""
+def _check_route(x, w, b, cfg, precision="f32", variants=DEFAULT):
+    """The router (at each tuning of `variants`) equals the reference: the same ids in the same (lax.top_k) order,
+    weights to 1e-5. precision="bf16" rounds x and W to bf16 (products then exact in f32): it equals the reference
+    on the rounded inputs (against the f32 reference, logits move ~1e-2 relative and near-tied experts may swap)."""
     if precision == "bf16":
         rounded = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
         w_ref, e_ref = moe.route(rounded(x), rounded(w), b, **cfg)
@@ -102,7 +116,7 @@ def _check_route(x, w, b, cfg, precision="f32", variants=VARIANTS):
 @pytest.mark.parametrize("t,d,e,g,tg,k,renorm,scaling", ROUTER_CASES)
 def test_router_matches_reference(t, d, e, g, tg, k, renorm, scaling, precision):
     cfg = dict(top_k=k, n_group=g, topk_group=tg, scaling=scaling, renormalize=renorm)
-    _check_route(*_router_inputs(t, d, e), cfg, precision)
+    _check_route(*_router_inputs(t, d, e), cfg, precision, variants=VARIANTS)
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
@@ -147,11 +161,11 @@ def test_router_top_k_inside_one_group(top_k):
 
 
 def test_router_f32_on_bf16_operands_is_exact():
-    """precision="f32" with a bf16 x and weight runs on the tensor cores (exact products, f32 sums); on the
-    IEEE path (tensor_core_f32=False) too, the routing equals the f32 reference on the same bf16 values."""
+    """precision="f32" with a bf16 x and weight runs on the tensor cores (exact products, f32 sums): the routing
+    equals the f32 reference on the same bf16 values."""
     x, w, b = _router_inputs(6, 256, 512)
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    _check_route(x, w, b, FLASH_ROUTING, variants=dict(VARIANTS, ieee=dict(tensor_core_f32=False)))
+    _check_route(x, w, b, FLASH_ROUTING)
 
 
 def _expert_inputs(t, k, dtype, tag=""):
@@ -171,8 +185,7 @@ def test_fused_experts_match_gathered(t, dtype):
     x, wg, wu, wd, weights, experts, shared = _expert_inputs(t, k, dtype)
     for limit in (0.0, 0.5):
         want = moe.experts_gathered(x, wg, wu, wd, weights, experts, limit)
-        poison = jnp.full((t * k + 1, D), jnp.nan, jnp.float32)  # a row no kernel wrote stays NaN
-        got = fused_experts(x, wg, wu, wd, weights, experts, limit, y_init=poison)
+        got = fused_experts(x, wg, wu, wd, weights, experts, limit)  # a row no kernel wrote stays NaN
         assert got.dtype == jnp.float32 and got.shape == (t, D)
         assert rel_err(got, want) <= TOL[dtype]  # rel_err also fails on any NaN
 
@@ -184,8 +197,7 @@ def test_fused_experts_single_token_plan_with_repeated_experts():
     x, wg, wu, wd, weights, experts, _ = _expert_inputs(1, k, jnp.float32, "repeat")
     for ex in (experts, jnp.full_like(experts, experts[0, 0]), experts.at[0, 2].set(experts[0, 1])):
         want = moe.experts_gathered(x, wg, wu, wd, weights, ex, 0.5)
-        poison = jnp.full((k + 1, D), jnp.nan, jnp.float32)
-        assert rel_err(fused_experts(x, wg, wu, wd, weights, ex, 0.5, y_init=poison), want) <= 1e-5
+        assert rel_err(fused_experts(x, wg, wu, wd, weights, ex, 0.5), want) <= 1e-5
 
 
 @pytest.mark.parametrize("t", [1, 6])
@@ -193,8 +205,7 @@ def test_fused_experts_with_shared_expert(t):
     k = 4
     x, wg, wu, wd, weights, experts, shared = _expert_inputs(t, k, jnp.float32, "shared")
     want = moe.experts_gathered(x, wg, wu, wd, weights, experts, 0.5) + moe.mlp(x, *shared, 0.7)
-    poison = jnp.full((t * k + 1 + t, D), jnp.nan, jnp.float32)
-    got = fused_experts(x, wg, wu, wd, weights, experts, 0.5, shared=shared, shared_limit=0.7, y_init=poison)
+    got = fused_experts(x, wg, wu, wd, weights, experts, 0.5, shared=shared, shared_limit=0.7)
     assert rel_err(got, want) <= 1e-5
 
 
@@ -247,8 +258,8 @@ def test_routed_experts_match_reference(rows, t, d, shared, ties):
     weights, experts = route(x, router, bias, **FLASH_ROUTING)
     # the decode's own tiles: the CPU's dots sum in an order that changes with the tile (the H200's tensor cores
     # do not; bench/moe_bench.py checks the decode's rows against the verify's default tiles on the GPU)
-    tiles = one_token_tiles(I) if t == 1 else {}
-    two_launches = fused_experts(x, *w, weights, experts, 0.5, tokens=t, shared=sh, shared_limit=0.7, **tiles)
+    tiles = one_token_tiles(I) if t == 1 else ExpertTuning()
+    two_launches = fused_experts(x, *w, weights, experts, 0.5, tokens=t, shared=sh, shared_limit=0.7, tuning=tiles)
     assert rel_err(got, two_launches) <= REORDER_TOL  # two programs: XLA:CPU may order the sums differently
 
 
@@ -273,8 +284,6 @@ def test_hf_parity_with_pallas_moe(fixture, monkeypatch):
     import lingjax.pallas.moe_experts as experts_mod
     import lingjax.pallas.moe_router as router_mod
 
-    monkeypatch.setitem(kernels.OPS, "kda_chain", (kernels.OPS["kda_chain"][0], "lingjax.ops.kda:kda_chain"))
-    monkeypatch.setitem(kernels.OPS, "kda_chunked", (kernels.OPS["kda_chunked"][0], "lingjax.ops.kda:kda_chunked"))
     calls = []
 
     def spy(name, fn):
@@ -286,49 +295,45 @@ def test_hf_parity_with_pallas_moe(fixture, monkeypatch):
     monkeypatch.setattr(experts_mod, "fused_experts", spy("experts", fused_experts))
     monkeypatch.setattr(router_mod, "route", spy("route", route))
     ref = np.load(fixture / "reference.npz")
-    model = lingjax.load(fixture, dtype="float32", kernels="pallas")
+    model = lingjax.load(fixture, dtype="float32", kernels="pallas").variant(xla_ops=("kda_chain", "kda_chunked"))
     logits = model.logits(ref["prompt_ids"])
     assert rel_err(logits, ref["logits"]) <= 1e-4
     assert "route" in calls and "experts" in calls  # the Pallas experts serve every T, prefill included
 
 
 def test_kernel_options_reach_the_kernel(monkeypatch):
-    """Model(kernel_options=...) passes an option to an op's Pallas kernel (the router's select here, as
+    """RunOptions.tuning (here through Model.variant) hands an op's Pallas kernel its tuning (the router's, as
     step_bench --kernel-option does) and the logits stay HF's."""
     import lingjax.pallas.moe_router as router_mod
 
-    monkeypatch.setitem(kernels.OPS, "kda_chain", (kernels.OPS["kda_chain"][0], "lingjax.ops.kda:kda_chain"))
-    monkeypatch.setitem(kernels.OPS, "kda_chunked", (kernels.OPS["kda_chunked"][0], "lingjax.ops.kda:kda_chunked"))
-    selects = []
+    tunings, tuning = [], RouterTuning(k_splits=2)
 
     def spy(*args, **kw):
-        selects.append(kw.get("select", "vector"))
+        tunings.append(kw.get("tuning"))
         return route(*args, **kw)
 
     monkeypatch.setattr(router_mod, "route", spy)
     fixture = fixture_dirs()[0]
     ref = np.load(fixture / "reference.npz")
-    base = lingjax.load(fixture, dtype="float32", kernels="pallas")
-    model = lingjax.Model(base.module, kernels="pallas", kernel_options=(("moe_route", (("select", "serial"),)),))
+    base = lingjax.load(fixture, dtype="float32", kernels="pallas").variant(xla_ops=("kda_chain", "kda_chunked"))
+    model = base.variant(tuning={"moe_route": tuning})
     assert rel_err(model.logits(ref["prompt_ids"]), ref["logits"]) <= 1e-4
-    assert selects and set(selects) == {"serial"}
-    with pytest.raises(ValueError, match="kernel_options names unknown ops"):
-        lingjax.Model(base.module, kernels="pallas", kernel_options=(("no_such_op", (("x", 1),)),))
+    assert tunings and set(tunings) == {tuning}
+    with pytest.raises(ValueError, match="tuning names unknown ops"):
+        base.variant(tuning={"no_such_op": tuning})
 
 
-def test_router_gemv_single_token_reads_x_row_once(monkeypatch):
-    """At T = 1 the router's GEMV reads x's one row and broadcasts it when a K step's row spans X_ROW_MIN_BYTES
-    (f32 at K step 128 here), else gathers 16 copies of it: the same partial logits either way, summing to
-    x · router_wᵀ, with other tokens in the padded rows (a broadcast of the wrong row shows)."""
-    import lingjax.pallas
-
-    assert 128 * 4 >= lingjax.pallas.X_ROW_MIN_BYTES  # the first call broadcasts
+def test_router_gemv_single_token_reads_x_row_once():
+    """At T = 1 the router's GEMV reads x's one row and broadcasts it when a K step's row spans the tuning's
+    x_row_min_bytes (f32 at K step 128 here), else gathers 16 copies of it: the same partial logits either way,
+    summing to x · router_wᵀ, with other tokens in the padded rows (a broadcast of the wrong row shows)."""
     x, w, _ = _router_inputs(16, 256, 64)
-    row = partial_logits(x, w, tokens=1, k_splits=2, bk=128)
-    monkeypatch.setattr(lingjax.pallas, "X_ROW_MIN_BYTES", 1 << 30)  # the second gathers
-    jax.clear_caches()
-    gathered = partial_logits(x, w, tokens=1, k_splits=2, bk=128)
-    jax.clear_caches()
+    broadcast = RouterTuning(k_splits=2, bk=128)
+    gather = dataclasses.replace(broadcast, x_row_min_bytes=1 << 30)
+    assert reads_one_row(1, 128, x.dtype, broadcast.x_row_min_bytes)
+    assert not reads_one_row(1, 128, x.dtype, gather.x_row_min_bytes)
+    row = partial_logits(x, w, tokens=1, tuning=broadcast)
+    gathered = partial_logits(x, w, tokens=1, tuning=gather)
     assert row.shape == (2, 1, 64)
     assert rel_err(row, gathered) <= REORDER_TOL  # two programs: XLA:CPU may order the sums differently
     with jax.default_matmul_precision("highest"):
@@ -336,13 +341,10 @@ def test_router_gemv_single_token_reads_x_row_once(monkeypatch):
     assert rel_err(row.sum(0), want) <= 1e-5
 
 
-def test_single_token_up_reads_x_row_once(monkeypatch):
-    """At T = 1 the up kernel reads x's one row and broadcasts it when a K step's row spans X_ROW_MIN_BYTES
-    (f32 at K step 128 here), else gathers 16 copies of it: the same results either way (to a few ulp), equal to the reference,
-    with other tokens in the padded rows (a broadcast of the wrong row shows)."""
-    import lingjax.pallas
-
-    assert 128 * 4 >= lingjax.pallas.X_ROW_MIN_BYTES  # the first call broadcasts
+def test_single_token_up_reads_x_row_once():
+    """At T = 1 the up kernel reads x's one row and broadcasts it when a K step's row spans the tuning's
+    x_row_min_bytes (f32 at K step 128 here), else gathers 16 copies of it: the same results either way (to a few
+    ulp), equal to the reference, with other tokens in the padded rows (a broadcast of the wrong row shows)."""
     k, d = 4, 128
     ks = jax.random.split(key_for("x row"), 9)
     normal = lambda kk, shape, fan_in: jax.random.normal(kk, shape) * fan_in**-0.5
@@ -351,21 +353,22 @@ def test_single_token_up_reads_x_row_once(monkeypatch):
     shared = (normal(ks[4], (I, d), d), normal(ks[5], (I, d), d), normal(ks[6], (d, I), I))
     weights = jax.random.uniform(ks[7], (16, k), minval=0.1, maxval=1.0)
     experts = _distinct_experts(ks[8], 16, k, E)
+    broadcast = ExpertTuning(bk_up=128)
+    gather = dataclasses.replace(broadcast, x_row_min_bytes=1 << 30)
+    assert reads_one_row(1, 128, x.dtype, broadcast.x_row_min_bytes)
+    assert not reads_one_row(1, 128, x.dtype, gather.x_row_min_bytes)
     kw = dict(tokens=1, shared=shared, shared_limit=0.7)
-    row = fused_experts(x, wg, wu, wd, weights, experts, 0.5, bk_up=128, **kw)
-    monkeypatch.setattr(lingjax.pallas, "X_ROW_MIN_BYTES", 1 << 30)  # the second gathers
-    jax.clear_caches()
-    gathered = fused_experts(x, wg, wu, wd, weights, experts, 0.5, bk_up=128, **kw)
-    jax.clear_caches()
+    row = fused_experts(x, wg, wu, wd, weights, experts, 0.5, tuning=broadcast, **kw)
+    gathered = fused_experts(x, wg, wu, wd, weights, experts, 0.5, tuning=gather, **kw)
     assert rel_err(row, gathered) <= REORDER_TOL  # two programs: XLA:CPU may order the sums differently
     want = moe.experts_gathered(x[:1], wg, wu, wd, weights[:1], experts[:1], 0.5) + moe.mlp(x[:1], *shared, 0.7)
     assert rel_err(row, want) <= 1e-5
 
 
-def test_single_token_shared_expert_split(monkeypatch):
-    """At T = 1 the shared expert's block runs on twice the up programs at half width (SHARED_SPLIT, when the
-    half is at least MIN_DOT_ROWS wide: lowered here so the CPU's small dims split): the same result as one
-    program per tile, every h column written (a missed half shows), equal to the reference."""
+def test_single_token_shared_expert_split():
+    """At T = 1 the shared expert's block runs on shared_split times the up programs, each bn_up / shared_split
+    wide (when that is at least MIN_DOT_ROWS: a 32-wide up tile here, so the CPU's small dims split): the same
+    result as one program per tile, every h column written (a missed half shows), equal to the reference."""
     import lingjax.pallas.moe_experts as me
 
     d, e = 64, 64
@@ -377,12 +380,11 @@ def test_single_token_shared_expert_split(monkeypatch):
                                                                    [d, d, I]))
     x = jax.random.normal(key_for("shared split x"), (16, d))
     kw = dict(**FLASH_ROUTING, tokens=1, shared=sh, shared_limit=0.7)
-    assert one_token_tiles(I)["bn_up"] // me.SHARED_SPLIT < me.MIN_DOT_ROWS  # unsplit at the GPU's minimum
-    whole = routed_experts(x, router, bias, *w, 0.5, **kw)
-    monkeypatch.setattr(me, "MIN_DOT_ROWS", one_token_tiles(I)["bn_up"] // me.SHARED_SPLIT)
-    jax.clear_caches()
-    split = routed_experts(x, router, bias, *w, 0.5, **kw)
-    jax.clear_caches()
+    split_tiles = dataclasses.replace(one_token_tiles(I), bn_up=32)
+    whole_tiles = dataclasses.replace(split_tiles, shared_split=1)
+    assert me._shared_split(split_tiles, 32, True, True) == 2 and me._shared_split(whole_tiles, 32, True, True) == 1
+    whole = routed_experts(x, router, bias, *w, 0.5, **kw, tuning=whole_tiles)
+    split = routed_experts(x, router, bias, *w, 0.5, **kw, tuning=split_tiles)
     assert rel_err(split, whole) <= REORDER_TOL  # two programs: XLA:CPU may order the sums differently
     with jax.default_matmul_precision("highest"):
         want = moe.routed_experts(x, router, bias, *w, 0.5, **kw)
@@ -393,15 +395,158 @@ def test_single_token_shared_expert_split(monkeypatch):
 def test_expert_pipelines_fit_shared_memory(dtype):
     """The default tiles' pipelines stay inside the shared-memory budget for bf16 and f32 operands (f32 at
     5 stages asked an H200 for 288 KB of its 227): Triton holds num_stages - 1 K steps of both operands."""
-    import inspect
+    from lingjax.pallas.moe_experts import SHARED_MEMORY_BUDGET, _stages_within
 
-    from lingjax.pallas.moe_experts import BLOCK_M, SHARED_MEMORY_BUDGET, _stages_within
-
-    defaults = {k: v.default for k, v in inspect.signature(fused_experts).parameters.items()}
     item = jnp.dtype(dtype).itemsize
-    for tile in (defaults, one_token_tiles(768), one_token_tiles(384)):
-        up = (BLOCK_M + 2 * tile["bn_up"]) * tile["bk_up"] * item  # x rows, gate and up tiles
-        down = (BLOCK_M + tile["bn_down"]) * tile["bk_down"] * item  # h rows, down tile
-        for per_stage, want in ((up, tile["stages_up"]), (down, tile["stages_down"])):
+    for tile in (ExpertTuning(), one_token_tiles(768), one_token_tiles(384)):
+        up = (tile.block_m + 2 * tile.bn_up) * tile.bk_up * item  # x rows, gate and up tiles
+        down = (tile.block_m + tile.bn_down) * tile.bk_down * item  # h rows, down tile
+        for per_stage, want in ((up, tile.stages_up), (down, tile.stages_down)):
             stages = _stages_within(want, per_stage)
             assert stages >= 2 and (stages - 1) * per_stage <= SHARED_MEMORY_BUDGET, (dtype, per_stage, stages)
+
+
+def test_interpret_mode_fills_outputs_with_nan():
+    """What the tests above rely on to see an unwritten row: interpret mode fills a float output with NaN before
+    the kernel runs (an int32 output with its minimum)."""
+    def kernel(o_ref, i_ref):
+        o_ref[pl.ds(0, 8)] = jnp.zeros((8,), jnp.float32)  # the first half only
+
+    out, ints = pl.pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct((16,), jnp.float32),
+                                                  jax.ShapeDtypeStruct((4,), jnp.int32)), interpret=True)()
+    assert (np.asarray(out[:8]) == 0).all() and np.isnan(np.asarray(out[8:])).all()
+    assert (np.asarray(ints) == np.iinfo(np.int32).min).all()
+
+
+# ---- supports() and the Triton lowering for an H200 ------------------------------------------------------------
+
+S = jax.ShapeDtypeStruct
+_FIXTURE_NAMES = [p.parent.name for p in sorted(FIXTURES.glob("*/config.json"))]
+# (config, tp, dtype): the fixtures and tiny in bf16 (the GPU's default) and f32 (their parity runs); mid and
+# flash in bf16 only (their tiles depend on the dims alone)
+MOE_CASES = ([(n, 1, d) for n in _FIXTURE_NAMES for d in ("bf16", "f32")]
+             + [("tiny", tp, d) for tp in (1, 2) for d in ("bf16", "f32")]
+             + [("flash", tp, "bf16") for tp in (1, 2, 4, 8)] + [("mid", 1, "bf16"), ("mid", 2, "bf16")])
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+WIDTHS = [(VERIFY_ROWS, 1), (VERIFY_ROWS, 4), (1, 1), (PREFILL_CHUNK, PREFILL_CHUNK)]  # (x rows, T)
+
+
+def _config(name: str) -> LingConfig:
+    return preset(name) if name in ("tiny", "mid", "flash") else LingConfig.from_file(FIXTURES / name / "config.json")
+
+
+def _moe_calls(cfg: LingConfig, tp: int, dtype):
+    """(label, supports, kernel, arguments, keywords) of every MoE op call the model makes (lingjax/model.py, MoE):
+    the router on all x rows, the experts on the first T, the decode's routed experts at T = 1; at decode,
+    verify, the drafter's unpadded T = 1 and a prefill chunk; per-device widths under TP (lingjax/sharding.py:
+    experts and shared expert split on their intermediate dim, the router replicated). The shared expert is
+    passed where the model fuses it (the same width as an expert's)."""
+    d, e, k = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
+    i, si = cfg.moe_intermediate_size // tp, cfg.shared_intermediate_size // tp
+    layer = cfg.num_hidden_layers - 1
+    routing = dict(top_k=k, n_group=cfg.n_group, topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
+                   renormalize=cfg.norm_topk_prob, precision="f32")
+    router = (S((e, d), dtype), S((e,), jnp.float32))
+    w = (S((e, i, d), dtype), S((e, i, d), dtype), S((e, d, i), dtype))
+    limit = cfg.swiglu_limit(layer, shared=False)
+    fused = dict(shared=(S((i, d), dtype), S((i, d), dtype), S((d, i), dtype)),
+                 shared_limit=cfg.swiglu_limit(layer, shared=True)) if si == i else {}
+    for rows, t in WIDTHS:
+        x = S((rows, d), dtype)
+        yield f"route rows={rows}", supports_route, route, (x, *router), routing
+        routed = (S((rows, k), jnp.float32), S((rows, k), jnp.int32))
+        yield (f"fused_experts rows={rows} T={t}", supports_fused_experts, fused_experts, (x, *w, *routed, limit),
+               dict(tokens=t, **fused))
+        if t == 1:
+            yield (f"routed_experts rows={rows}", supports_routed_experts, routed_experts, (x, *router, *w, limit),
+                   dict(tokens=1, **routing, **fused))
+
+
+def _call_key(kernel, args, kw):
+    """What a lowering depends on: the kernel, the arrays' shapes and dtypes, the static values."""
+    spec = lambda a: (a.shape, str(a.dtype)) if isinstance(a, S) else tuple(map(spec, a)) if isinstance(a, tuple) else a
+    return kernel.__name__, tuple(map(spec, args)), tuple(sorted((k, spec(v)) for k, v in kw.items()))
+
+
+_LOWERED = set()  # calls lowered already in this session (a verify's router call is the decode's; mid's are flash's)
+
+
+def _lower(kernel, args, kw):
+    """kernel(*args, **kw) lowered for an H200 (Triton IR, no compile): the ShapeDtypeStructs among args and
+    shared's traced, the rest (the SwiGLU limit) static as the model passes them."""
+    shared = kw.get("shared", ())
+    kw = {**{key: v for key, v in kw.items() if key != "shared"}, "interpret": False}
+    traced = [j for j, a in enumerate(args) if isinstance(a, S)]
+
+    def fn(*a):
+        full = list(args)
+        for j, v in zip(traced, a):
+            full[j] = v
+        return kernel(*full, **kw, **(dict(shared=a[len(traced):]) if shared else {}))
+
+    return jax.jit(fn).trace(*(args[j] for j in traced), *shared).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("name", ["mid", "flash"])
+def test_presets_run_every_moe_kernel(name, dtype):
+    """Every MoE op call of mid and flash at TP 1, 2, 4 and 8 is supported: the GPU runs the Pallas kernels."""
+    for tp in (1, 2, 4, 8):
+        for label, supports, _, args, kw in _moe_calls(preset(name), tp, dtype):
+            assert supports(*args, **kw) is None, (tp, label, supports(*args, **kw))
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("name,tp,dtype", MOE_CASES, ids=[f"{n}-tp{tp}-{d}" for n, tp, d in MOE_CASES])
+def test_moe_supports_matches_the_triton_lowering(name, tp, dtype, monkeypatch):
+    """supports() of route, fused_experts and routed_experts over the model's calls in every fixture config and
+    preset: where it accepts a call, the call lowers to Triton IR for an H200; a refusal is a reason naming the
+    dimension, and either the call does not lower (a block that is no power of 2) or it is a 16-bit dot's K step
+    under MIN_DOT_K, which lowers but which the H200 computes wrong (docs/kernels/moe.md). The Flash presets'
+    shapes are all supported (test_presets_run_every_moe_kernel)."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
+    for label, supports, kernel, args, kw in _moe_calls(_config(name), tp, DTYPES[dtype]):
+        reason = supports(*args, **kw)
+        if _call_key(kernel, args, kw) in _LOWERED:
+            continue
+        _LOWERED.add(_call_key(kernel, args, kw))
+        if reason is None:
+            _lower(kernel, args, kw)
+        elif "power of 2" in reason:
+            with pytest.raises(ValueError, match="power of 2"):
+                _lower(kernel, args, kw)
+        else:
+            assert f"under the {MIN_DOT_K} a 16-bit Triton dot needs" in reason, (label, reason)
+            _lower(kernel, args, kw)
+
+
+def test_supports_names_the_dimension():
+    """The refusals of the fixtures' tiny dims say which dimension; a tuning's tiles count too."""
+    bf, f32 = jnp.bfloat16, jnp.float32
+    routing = dict(top_k=2, n_group=4, topk_group=2, scaling=1.0, renormalize=True)
+    x, w, b = S((16, 48), bf), S((8, 48), bf), S((8,), f32)
+    assert "K step of 6" in supports_route(x, w, b, **routing)  # hidden 48 in 8 K splits (tiny_a)
+    assert supports_route(x, w, b, **routing, tuning=RouterTuning(k_splits=3)) is None  # K steps of 16
+    x, w = S((16, 32), bf), S((8, 32), bf)  # tiny_b: K steps of 4
+    assert "K step of 4 (hidden size 32 in 8 K splits) on bf16" in supports_route(x, w, b, **routing)
+    assert "K step of 4" in supports_route(S((16, 32), f32), S((8, 32), f32), b, **routing, precision="bf16")
+    assert supports_route(S((16, 32), f32), S((8, 32), f32), b, **routing) is None  # f32 dots take any K
+    x, w, b = S((16, 64), f32), S((12, 64), f32), S((12,), f32)  # tiny_c's 12 experts
+    assert "expert tile of 12" in supports_route(x, w, b, **dict(routing, top_k=3))
+    assert "12 experts" in supports_route(x, w, b, **dict(routing, top_k=3), tuning=RouterTuning(be=4))
+    assert "top_k 3" in supports_route(S((16, 64), f32), S((16, 64), f32), S((16,), f32), **dict(routing, top_k=3))
+    x = S((16, 40), bf)  # tiny_c's experts: K steps of 8 in bf16
+    w = (S((8, 24, 40), bf),) * 2 + (S((8, 40, 24), bf),)
+    routed = (S((16, 2), f32), S((16, 2), jnp.int32))
+    assert "up kernel's K step of 8 (hidden size 40)" in supports_fused_experts(x, *w, *routed, tokens=4)
+    x = S((16, 64), bf)
+    w = (S((8, 16, 64), bf),) * 2 + (S((8, 64, 16), bf),)
+    assert supports_fused_experts(x, *w, *routed, tokens=4) is None
+    assert "down kernel's K step of 8" in supports_fused_experts(x, *w, *routed, tokens=4,
+                                                                 tuning=ExpertTuning(bk_down=8))
+    assert "blocks of 24 rows" in supports_fused_experts(x, *w, *routed, tokens=4, tuning=ExpertTuning(block_m=24))
+    shared = (S((32, 64), bf), S((32, 64), bf), S((64, 32), bf))
+    assert "width 16" in supports_fused_experts(x, *w, *routed, tokens=4, shared=shared)

@@ -1,15 +1,11 @@
-"""Pallas GPU kernels, each beside the plain-JAX reference in lingjax/ops/ it is tested against.
+"""Pallas GPU kernels, each replacing a plain-JAX reference in lingjax/ops/ (lingjax/kernels.py maps the model's
+ops onto them; docs/kernels/ explains how each is shaped and why).
 
-kda_chain (fused chain-verify/decode + commit), kda_prefill (chunked prefill), mla_decode (absorbed MLA
-attention at decode/verify widths, split-L from the bf16 cache), moe_router, moe_align (pair-axis align),
-moe_experts (grouped GEMMs with the SwiGLU epilogue; routed_experts: at T = 1 the up kernel also routes the
-token); and skinny_linear (projections at 16 rows), measured but not in the kernel set (its docstring says
-why). lingjax/kernels.py maps each onto the reference op it replaces; `lingjax.load(..., kernels="pallas")`
-selects them.
 Every kernel is launched through `pallas_call` below, which starts it with griddepcontrol.wait
-(grid_dependency: the step programs run with programmatic dependent launch). l2_prefetch: an L2 prefetch
-primitive for kernels (the decode's up kernel pulls the shared expert's weights ahead of its reads).
+(lingjax.pallas.grid_dependency: the step programs run with programmatic dependent launch).
 """
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -20,17 +16,16 @@ from lingjax.pallas.grid_dependency import after_producers
 
 _NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b [N, K]ᵀ
 
-# At T = 1 a kernel whose dot takes 16 gathered x rows (all the token's) reads the row once per K step and
-# broadcasts it, when a step's row spans at least this many bytes (moe_experts' up kernel, moe_router's GEMV).
-# On the H200 with bf16 x: at a K step of 256 (512 B) the up kernel took 0.9-1.7 µs less (T = 1 layer,
-# interleaved in one process, seven processes) and the GEMV 0.13; at 128 (256 B) the up kernel took 9.5 µs
-# more, as if the pipeliner no longer prefetched the row (bench/results/moe_h200_2026-12-01_run5.md).
+# At T = 1 a kernel whose dot takes 16 copies of x's one row (moe_experts' up kernel, moe_router's GEMV) reads
+# the row once per K step and broadcasts it when the step's row spans at least this many bytes; below, the
+# broadcast is slower on the H200 (docs/kernels/moe.md). The default of the kernels' tuning field x_row_min_bytes.
 X_ROW_MIN_BYTES = 512
 
 
-def reads_one_row(tokens: int, bk: int, dtype) -> bool:
-    """Whether a kernel gathering 16 x rows per K step of bk reads x's one row instead (T = 1, X_ROW_MIN_BYTES)."""
-    return tokens == 1 and bk * jnp.dtype(dtype).itemsize >= X_ROW_MIN_BYTES
+def reads_one_row(tokens: int, bk: int, dtype, min_bytes: int = X_ROW_MIN_BYTES) -> bool:
+    """Whether a kernel gathering 16 x rows per K step of bk reads x's one row instead: T = 1 and a step's row
+    spans at least min_bytes."""
+    return tokens == 1 and bk * jnp.dtype(dtype).itemsize >= min_bytes
 
 
 def x_rows(x_ref, rows, ks, one_row: bool):
@@ -45,6 +40,21 @@ def resolve_interpret(interpret: bool | None) -> bool:
     """interpret=None means: interpret mode unless the backend is a GPU (chosen by backend, never by
     import failure; the CPU backend only runs Pallas in interpret mode)."""
     return target.platform() != "gpu" if interpret is None else interpret
+
+
+# The smallest K step of a Triton dot on 16-bit operands: below it the H200 returns wrong sums without an error
+# (Triton's own front end refuses such a dot, Pallas's lowering takes it); f32 operands, IEEE FMAs, take any K.
+MIN_DOT_K = 16
+
+
+def short_dot(k: int, dtype) -> bool:
+    """Whether a dot on `dtype` operands stepping K by k is under MIN_DOT_K on the tensor cores."""
+    return jnp.dtype(dtype).itemsize < 4 and k < MIN_DOT_K
+
+
+def is_pow2(n: int) -> bool:
+    """Whether n is a power of 2 (Triton's block shapes must be: supports() functions check tiles with it)."""
+    return n >= 1 and n & (n - 1) == 0
 
 
 def pow2_tile(n: int, want: int) -> int:
@@ -62,7 +72,39 @@ def dot_nt(a, b):
     return jax.lax.dot_general(a, b, _NT, precision=prec, preferred_element_type=jnp.float32)
 
 
+class Instrument:
+    """Measurement hooks inside the kernels (bench/kernel_stamps.py); this default changes nothing. launch() makes
+    every kernel's launch; selected() sees the expert the decode's up kernel selects (lingjax.pallas.moe_experts)."""
+
+    def launch(self, kernel, **kwargs):
+        """The launch of `kernel` (its raw body) with pl.pallas_call's keywords -> the callable on the operands."""
+        return pl.pallas_call(after_producers(kernel), **kwargs)
+
+    def selected(self, expert):
+        return expert
+
+
+_instrument = Instrument()
+
+
+@contextlib.contextmanager
+def instrumented(instrument: Instrument):
+    """Kernels traced inside the block launch through `instrument` (an Instrument subclass). Jitted entry points
+    keep the programs they traced before: instrument their unjitted forms (`fn.__wrapped__`)."""
+    global _instrument
+    saved, _instrument = _instrument, instrument
+    try:
+        yield instrument
+    finally:
+        _instrument = saved
+
+
 def pallas_call(kernel, **kwargs):
     """pl.pallas_call, its kernel first waiting for the kernels it depends on (lingjax.pallas.grid_dependency:
     safe under XLA's programmatic dependent launch). Every kernel of the package goes through here."""
-    return pl.pallas_call(after_producers(kernel), **kwargs)
+    return _instrument.launch(kernel, **kwargs)
+
+
+def selected(expert):
+    """The expert a decode's up program selected, as the instrument sees it (Instrument.selected)."""
+    return _instrument.selected(expert)

@@ -1,16 +1,13 @@
 """Pulling weights into L2 from inside a Pallas kernel, ahead of their reads: `prefetch.global.L2`.
 
-At T = 1 the decode's up programs spend ~2-3 µs selecting their expert before they read a weight
-(bench/results/moe_h200_2026-12-01_run6.md), while DRAM serves only the shared expert's programs. The shared
-expert's weights are known before the selection: the routed programs ask for them once their own loads are
-issued, and the shared programs find them in L2 (lingjax.pallas.moe_experts). A prefetch holds no register:
-the program issues it and goes on. (Issued by the router's GEMV instead, the prefetches held back the GEMV's
-own reads or the next launch: a T = 1 layer 0.2-0.8 µs slower on the H200,
-bench/results/moe_h200_2026-12-01_run7.md.)
+The decode's up kernel (lingjax/pallas/moe_experts.py) uses it: its routed programs, before they spend time
+selecting their expert, ask for the shared expert's gate and up weights, which the shared programs then
+read from L2 (docs/kernels/moe.md). A prefetch holds no register: the program issues it and goes on.
 
 Pallas has no prefetch, and its `elementwise_inline_asm` takes no pointers: the primitive here takes a ref
 and element offsets and lowers to the instruction at each offset's address. In interpret mode it does
-nothing (a kernel computes the same with or without it).
+nothing (a kernel computes the same with or without it). No tuning: which lines each program asks for
+follows from the arrays and the program count (lines_per_program).
 """
 
 from __future__ import annotations

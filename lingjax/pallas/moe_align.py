@@ -1,18 +1,13 @@
-"""moe_align on the pair axis: one launch, nothing scales with the number of experts.
+"""moe_align on the pair axis: the (token, slot) pairs sorted into blocks of `block_m` rows that share one
+expert, for the grouped expert GEMMs (lingjax/pallas/moe_experts.py), in one launch whose work does not grow
+with the number of experts.
 
-The grouped expert GEMMs consume (token, slot) pairs in blocks of `block_m` rows that all share one
-expert. moe_align builds that permutation. The generic CUDA path needs two launches (a histogram
-over the expert axis, a grid-wide scan, then placement). At batch 1 there are only NP = T·k pairs
-(8 at decode, 48 at verify width 6), so this kernel works on the pair axis instead (seed write-up,
-"moe_align, on the pair axis"): an [NP, NP] comparison gives every pair its stable rank inside its
-expert's bucket and the bucket's size; a bucket's rank-0 pair is its representative, whose padded
-size and bucket-ordered exclusive offset place every pair; the published total and the expert of
-every block follow from the representatives alone. Each pair is then stored into its slot (a scatter)
-and the sentinel into the rest, all in one pass: the first version matched every slot against every pair
-in a loop over chunks of 128 slots, 18 µs at NP = 48 on the H200 against 5.0 for the scatter
-(bench/results/moe_h200_2026-12-01.md). Buckets are ordered by expert id, so the result is
-bit-identical to the sort-based reference `align_reference` (also the fallback for NP > 64).
-At T = 1 the expert kernels need no plan at all (moe_experts._single_token_plan).
+At batch 1 there are only NP = T·k pairs, so one program compares every pair with every other ([NP, NP]):
+each pair's stable rank inside its expert's bucket and the bucket's size; a bucket's rank-0 pair, its
+representative, gives the bucket's padded size and its offset (buckets in expert-id order); the published
+total and every block's expert follow from the representatives; each pair is scattered to its slot and the
+sentinel NP to the rest (docs/kernels/moe.md). The result equals the sort-based `align_reference` bit for
+bit; past PAIR_LIMIT pairs moe_align is that reference.
 
 Outputs (S = n_blocks · block_m slots, padding slots hold the sentinel NP):
   sorted_ids [S] int32    pair index (token·k + slot) in each slot
@@ -23,8 +18,8 @@ Outputs (S = n_blocks · block_m slots, padding slots hold the sentinel NP):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +31,13 @@ from lingjax.pallas import pallas_call, resolve_interpret
 PAIR_LIMIT = 64  # the [NP, NP] comparison runs in one program up to here; larger NP sorts
 BLOCK_M = 16  # rows per block of the expert GEMMs (the Triton dot minimum); ≥ T keeps each expert in one block
 _I32 = jnp.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignTuning:
+    """The align launch's static choices."""
+
+    num_warps: int = 8  # of the one program
 
 
 def n_blocks_for(num_pairs: int, block_m: int, num_experts: int | None = None) -> int:
@@ -53,7 +55,7 @@ def align_reference(experts: jax.Array, block_m: int, n_blocks: int | None = Non
     order = jnp.argsort(flat, stable=True).astype(_I32)
     se = flat[order]
     # scan_unrolled: the default method's binary search is a while loop, which the GPU runs step by step with
-    # the host (H200: 263 µs for this function at NP = 128 against 26 unrolled, 467 against 99 at 16384)
+    # the host, several times slower (docs/kernels/moe.md)
     first = jnp.searchsorted(se, se, side="left", method="scan_unrolled").astype(_I32)  # bucket start, per sorted pos
     end = jnp.searchsorted(se, se, side="right", method="scan_unrolled").astype(_I32)
     start = first == idx  # the bucket's first pair
@@ -117,16 +119,16 @@ def _align_kernel(e_ref, ids_ref, blk_ref, pos_ref, meta_ref, *, npairs, block_m
     ids_ref[jnp.where(valid, pos, pos0)] = jnp.where(valid, pairs, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "n_blocks", "tokens", "num_warps", "interpret"))
-def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, tokens=None, num_warps=8, interpret=None):
+@functools.partial(jax.jit, static_argnames=("block_m", "n_blocks", "tokens", "tuning", "interpret"))
+def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, tokens=None, tuning: AlignTuning = AlignTuning(),
+              interpret=None):
     """Pair-axis moe_align, one launch; NP > PAIR_LIMIT falls back to `align_reference`.
 
     experts: [R, k] int32, of which the first `tokens` rows (default all) are aligned: NP = tokens·k. The
     kernel reads the rows in place, so a verify's zero-padded rows (lingjax/model.py, row invariance)
     need no slicing launch. Returns (sorted_ids [S], block_expert [NB], pos [NP], meta [2]); S and NB
     may be padded past NP·block_m and NP (to powers of 2): the extra blocks read −1 and the extra slots NP.
-    num_warps: 8 by default (on the H200 4.5 µs at NP = 48 and 64, against 4.8-5.0 at 4 warps and 6.4-7.2 at
-    1 or 2; bench/results/moe_h200_2026-12-01.md).
+    block_m must be a power of 2 (a Triton block dimension).
     """
     interpret = resolve_interpret(interpret)
     flat = experts.reshape(-1).astype(_I32)
@@ -146,30 +148,9 @@ def moe_align(experts, *, block_m=BLOCK_M, n_blocks=None, tokens=None, num_warps
             jax.ShapeDtypeStruct((npp,), _I32),
             jax.ShapeDtypeStruct((2,), _I32),
         ),
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="moe_align_pairs",
     )(flat)
     return ids, blk, pos[:npairs] if npp != npairs else pos, meta
 
-
-def _check(experts, block_m, **kw):
-    got = moe_align(experts, block_m=block_m, **kw)
-    nb = got[1].shape[0]
-    want = align_reference(experts, block_m, nb)
-    for g, w in zip(got, want):
-        assert (jax.device_get(g) == jax.device_get(w)).all(), (g, w)
-
-
-if __name__ == "__main__":  # GPU: sweep warps, check against the sort reference, time in-graph
-    for t in (1, 6, 8):
-        experts = jax.random.randint(jax.random.key(t), (t, 8), 0, 512, dtype=_I32)
-        for warps in (1, 2, 4):
-            _check(experts, 16, num_warps=warps)
-            f = jax.jit(lambda e, w=warps: jax.lax.fori_loop(  # the carry stays e, unknown to XLA
-                0, 1000, lambda i, e: e + jnp.where(moe_align(e, block_m=16, num_warps=w)[1][0] < -5, 1, 0), e))
-            f(experts).block_until_ready()
-            t0 = time.perf_counter()
-            f(experts).block_until_ready()
-            us = (time.perf_counter() - t0) * 1e3
-            print(f"moe_align T={t} NP={8 * t} warps={warps}: {us:.2f} us/call (floor: one launch, ~0 bytes)")

@@ -1,27 +1,27 @@
-"""Routed experts at batch 1: pair-axis align, grouped up-GEMM with a SwiGLU epilogue, down-GEMM + combine.
+"""Routed experts at batch 1: grouped up-GEMM with a SwiGLU epilogue, then down-GEMM and combine.
 
-`fused_experts` replaces `lingjax.ops.moe.experts_gathered` (same arguments, same [T, D] f32 result):
-  1. moe_align (lingjax/pallas/moe_align.py) sorts the T·k (token, slot) pairs into blocks of `block_m`
-     rows that share one expert (one launch on the pair axis for NP ≤ 64, sort-based above; at T = 1
-     no launch: each pair is its own block, see _single_token_slots).
-  2. Up kernel, grid (block, I tile): rows gathered from x by token (at T = 1 x's one row, broadcast), gate
-     and up tiles read from the two [E, I, D] arrays in the same K loop, h = act(g, u) in f32 and rounded once
-     to x's dtype.
-  3. Down kernel, grid (block, D tile): y = h · W_downᵀ in f32, times the pair's routing weight, stored
-     to the pair's own row; the k rows of a token are summed in f32 in slot order, one small XLA fusion
-     (a reduce's order changed with T on the H200: a decode's row must equal its verify's).
-Each block holds one expert and, for T·k ≤ 64 at block_m ≥ T, a bucket never spans two blocks, so every
-touched expert's weights are read exactly once per call. Unused blocks (past the published total) exit
-at once. Padding rows point at a spare row NP of the pair buffer, so no store needs a mask.
+`fused_experts` replaces lingjax.ops.moe.experts_gathered (same arguments, same [T, D] f32 result); launches
+(docs/kernels/moe.md):
+  1. moe_align_pairs (lingjax/pallas/moe_align.py): the T·k (token, slot) pairs in blocks of block_m rows that
+     share one expert. At T = 1 no launch: pair j is block j (_single_token_slots).
+  2. moe_up_swiglu, grid (block (+ shared-expert blocks), I tile): x's rows of the block's pairs (at T = 1 x's
+     one row, broadcast) against the gate and up tiles in one K loop, h = act(g)·u in f32, rounded once to x's
+     dtype.
+  3. moe_down_combine, grid (block (+ shared), D tile): h · W_downᵀ in f32 times the pair's weight, stored to
+     the pair's own row; then the k rows of a token summed in f32 in slot order (a decode's row equals its
+     verify's).
+Every touched expert's weights are read once per call (a block holds one expert; for T·k ≤ 64 at block_m ≥ T
+no expert spans two blocks). Blocks past the plan's total exit at once; padding rows write a spare row.
 
-`routed_experts` replaces `lingjax.ops.moe.routed_experts` (routing included): at T = 1 the up kernel's
-programs route the token themselves from the router's partial logits, so a decode has no select launch.
+`routed_experts` replaces lingjax.ops.moe.routed_experts (routing included): at T = 1, after the router's
+GEMV, each up program ranks the token's experts itself and takes its own, so a decode has no select or align
+launch; above T = 1 it is route + fused_experts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +29,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import dot_nt, pallas_call, pow2_tile, reads_one_row, resolve_interpret, x_rows
-
-from lingjax.ops.moe import experts_gathered  # the reference
+from lingjax.pallas import (MIN_DOT_K, X_ROW_MIN_BYTES, dot_nt, is_pow2, pallas_call, pow2_tile, reads_one_row,
+                            resolve_interpret, selected, short_dot, x_rows)
+from lingjax.pallas import moe_router
 from lingjax.pallas.l2_prefetch import lines_per_program, prefetch_share
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
 from lingjax.pallas.moe_router import (check_routing, partial_logits, route, token_expert, token_logits,
@@ -42,16 +42,92 @@ F32 = jnp.float32
 # the kernel: Triton keeps num_stages - 1 tiles of each operand in flight.
 SHARED_MEMORY_BUDGET = 200 * 1024
 MIN_DOT_ROWS = 16  # a Triton dot's smallest tile dimension
-# The decode's shared expert on twice the up programs at half width (see _expert_launches): on the H200, with
-# the routed programs ranking only their own expert, the T = 1 layer 0.2-0.7 µs faster at I = 768 and 384
-# (two processes; bench/results/moe_h200_2026-12-01_run6.md)
-SHARED_SPLIT = 2
+ONE_TOKEN_I_TILES = 12  # the decode's up kernel: I tiles per expert (one_token_tiles)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTuning:
+    """The expert launches' static choices. Each tile is the largest power of 2 up to the value given that
+    divides its dimension; the stages are at most those given, fewer where the pipeline would not fit
+    SHARED_MEMORY_BUDGET. The defaults serve every T but the decode's, which takes one_token_tiles."""
+
+    block_m: int = BLOCK_M  # (token, slot) rows per block, all of one expert
+    bn_up: int = 64  # up kernel: I tile
+    bk_up: int = 128  # up kernel: K (D) step
+    bn_down: int = 64  # down kernel: D tile
+    bk_down: int = 128  # down kernel: K (I) step
+    warps_up: int = 4
+    warps_down: int = 4
+    stages_up: int = 5
+    stages_down: int = 3
+    # routed_experts at T = 1: the shared expert's rows over shared_split times the up programs, bn_up / split
+    # wide each (where that is at least MIN_DOT_ROWS)
+    shared_split: int = 2
+    x_row_min_bytes: int = X_ROW_MIN_BYTES  # T = 1: a K step's x row from this size is read once and broadcast
+
+
+def one_token_tiles(i_dim: int) -> ExpertTuning:
+    """The decode's tiles (routed_experts at T = 1) at expert width i_dim: the up kernel steps K by 256 at 3
+    stages, where it reads x's one row, in I tiles of i_dim / ONE_TOKEN_I_TILES (at most 64 wide), so that
+    Flash's top 8 and shared expert fill the H200's SMs in one wave at TP 1 and 2."""
+    return dataclasses.replace(ExpertTuning(), bk_up=256, stages_up=3,
+                               bn_up=pow2_tile(i_dim, max(16, i_dim // ONE_TOKEN_I_TILES)))
 
 
 def _stages_within(want: int, per_stage_bytes: int) -> int:
-    """At most `want` pipeline stages whose buffers fit SHARED_MEMORY_BUDGET (at least 1): the default
-    tiles fit bf16 operands at 5 stages, f32 operands (parity runs) at 3."""
+    """At most `want` pipeline stages whose buffers fit SHARED_MEMORY_BUDGET (at least 1)."""
     return max(1, min(want, 1 + SHARED_MEMORY_BUDGET // per_stage_bytes))
+
+
+def _shared_split(tuning: ExpertTuning, bn_up: int, routing: bool, has_shared: bool) -> int:
+    """Programs per shared-expert up tile: tuning.shared_split at T = 1 (routing) when the split tile is at
+    least MIN_DOT_ROWS wide, else 1."""
+    split = tuning.shared_split
+    return split if routing and has_shared and bn_up // split >= MIN_DOT_ROWS else 1
+
+
+def _experts_supports(x, w_gate, shared, tuning: ExpertTuning, routing: bool) -> str | None:
+    """The expert launches' rules (see supports_fused_experts)."""
+    d, i_dim = x.shape[1], w_gate.shape[1]
+    if shared is not None and tuple(shared[0].shape) != (i_dim, d):
+        return (f"a fused shared expert of shape {tuple(shared[0].shape)} beside experts of width {i_dim} "
+                "(fused only at the same width)")
+    if not is_pow2(tuning.block_m):
+        return f"expert blocks of {tuning.block_m} rows, not a power of 2"
+    split = _shared_split(tuning, pow2_tile(i_dim, tuning.bn_up), routing, shared is not None)
+    if not is_pow2(split):
+        return f"a shared-expert split of {split}, not a power of 2"
+    for kernel, k, dim in (("up", pow2_tile(d, tuning.bk_up), f"hidden size {d}"),
+                           ("down", pow2_tile(i_dim, tuning.bk_down), f"expert width {i_dim}")):
+        if short_dot(k, x.dtype):  # both kernels' dots take x's dtype (h is stored in it)
+            return (f"the {kernel} kernel's K step of {k} ({dim}) on {x.dtype.name} operands, under the {MIN_DOT_K} "
+                    "a 16-bit Triton dot needs")
+    return None
+
+
+def supports_fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, tokens=None, shared=None,
+                           shared_limit=0.0, tuning: ExpertTuning = ExpertTuning(), interpret=None) -> str | None:
+    """None when `fused_experts` with these arguments (arrays or ShapeDtypeStructs) lowers to Triton and computes
+    right on the GPU, else why not. Its tiles are powers of 2 dividing their dimensions by construction
+    (pow2_tile) and the align's blocks powers of 2 (moe_align): refused are a K step under MIN_DOT_K on 16-bit
+    operands (a hidden size or expert width with a small power-of-2 factor), a tuning's block_m that is no power
+    of 2, and a shared expert of another width than the experts'."""
+    del w_up, w_down, weights, experts, limit, tokens, shared_limit, interpret
+    return _experts_supports(x, w_gate, shared, tuning, routing=False)
+
+
+def supports_routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k, n_group, topk_group,
+                            scaling, renormalize, precision="f32", tokens=None, shared=None, shared_limit=0.0,
+                            tuning: ExpertTuning | None = None, interpret=None) -> str | None:
+    """None when `routed_experts` with these arguments (arrays or ShapeDtypeStructs) lowers to Triton and computes
+    right on the GPU, else why not: the router's rules (lingjax.pallas.moe_router.supports; at T = 1 the up kernel
+    runs the same selection) and the experts' (supports_fused_experts)."""
+    del w_up, w_down, limit, shared_limit, interpret
+    t = x.shape[0] if tokens is None else tokens
+    tuning = _resolve(tuning, t, w_gate.shape[1])
+    return (moe_router.supports(x, router_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                                scaling=scaling, renormalize=renormalize, precision=precision)
+            or _experts_supports(x, w_gate, shared, tuning, routing=t == 1))
 
 
 def _swiglu(g, u, limit):
@@ -100,7 +176,7 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
             # expert's gate and up weights into L2 for the shared programs (lingjax.pallas.l2_prefetch)
             for ref in shared:
                 prefetch_share(ref, b * pl.num_programs(1) + n, prefetch_lines)
-            expert = token_expert(logits, bias, b, **dict(routing))
+            expert = selected(token_expert(logits, bias, b, **dict(routing)))
             tok = jnp.zeros((block_m,), jnp.int32)
             block(tok, slots, cols, lambda ks: wg_ref[expert, cols, ks], lambda ks: wu_ref[expert, cols, ks], limit)
     else:
@@ -128,18 +204,18 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
 
     if routing:
         # the routing, for the down kernel: published by the first shared program after its tile (the shared
-        # programs end ~2.5 µs before the routed ones, which select first), or, without a shared expert, by
-        # block 0's first program
+        # programs end before the routed ones, which select first), or, without a shared expert, by block 0's
+        # first program
         @pl.when((b == (nb if shared else 0)) & (n == 0))
         def _():
             w_ref[...], e_ref[...] = token_routing(plan_ref, blk_ref, 0, **dict(routing))
 
 
-def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, block_m, bn, bk, has_shared):
+def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, block_m, bn, bk):
     # ids_ref [S] int32; blk_ref [≥ NB] int32; w_ref [≥ NP] f32 routing weight per pair
-    # h_ref [S (+ shared), I]; wd_ref [E, D, I]; optional shared sd_ref [D, I]; optional aliased y_init
+    # h_ref [S (+ shared), I]; wd_ref [E, D, I]; optional shared sd_ref [D, I]
     # y_ref [NP + 1 (+ T), D] f32: row NP takes the padding rows, rows NP+1.. the shared expert per token
-    shared, y_ref = rest[:1] if has_shared else (), rest[-1]
+    *shared, y_ref = rest
     b, n = pl.program_id(0), pl.program_id(1)
     e = blk_ref[jnp.minimum(b, nb - 1)]
     cols = pl.ds(n * bn, bn)
@@ -170,56 +246,26 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, bloc
 
 
 def _single_token_slots(top_k: int, block_m: int):
-    """The block plan at T = 1 without an align launch: a token's top-k experts are distinct, so pair j
-    gets block j alone (slot j·block_m) and block j's expert is the token's j-th. A constant slot table;
-    the experts are the routing's ids themselves, flat (row 0's k ids come first). On the H200 the
-    pair-axis align is a ~13 µs single-program launch (bench/results/moe_h200_2026-11-29_run2.md) against
-    a 30 µs byte floor for the whole layer. Repeated experts (not produced by routing) still compute
+    """The block plan at T = 1 without an align launch: a token's top-k experts are distinct, so pair j gets
+    block j alone (slot j·block_m) and block j's expert is the token's j-th: a constant slot table [k·BM] int32
+    (sentinel NP = k in the padding slots). Repeated experts (which routing does not produce) still compute
     correctly, each block reading its expert again."""
-    ids = np.full((top_k * block_m,), top_k, np.int32)  # sentinel NP = top_k in the padding slots
+    ids = np.full((top_k * block_m,), top_k, np.int32)
     ids[np.arange(top_k) * block_m] = np.arange(top_k)
     return jnp.asarray(ids)
 
 
-# Tiles: one set for every T (see fused_experts) but routed_experts' T = 1 path (one_token_tiles)
-TILES = dict(bn_up=64, bk_up=128, bn_down=64, bk_down=128, warps_up=4, warps_down=4, stages_up=5, stages_down=3)
-ONE_TOKEN_I_TILES = 12
-
-
-def one_token_tiles(i_dim: int) -> dict:
-    """The decode's tiles (routed_experts at T = 1) at expert width i_dim: TILES, but the up kernel steps K by 256
-    at 3 stages, where it reads x's one row instead of 16 copies (X_ROW_MIN_BYTES), in I tiles of i_dim /
-    ONE_TOKEN_I_TILES (at most 64 wide): Flash's top 8 + shared expert then make 108 up programs, one wave on the
-    H200's 132 SMs, at TP1 (I = 768, 64-wide) and at TP2 (I = 384, 32-wide: 29.4 against 30.7 µs a layer with
-    64-wide tiles, which leave half the SMs idle; bench/results/moe_h200_2026-12-01_run5.md)."""
-    return dict(TILES, bk_up=256, stages_up=3, bn_up=pow2_tile(i_dim, max(16, i_dim // ONE_TOKEN_I_TILES)))
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("limit", "tokens", "block_m", *TILES, "shared_limit", "interpret"),
-)
-def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, tokens=None, block_m=BLOCK_M,
-                  bn_up=TILES["bn_up"], bk_up=TILES["bk_up"], bn_down=TILES["bn_down"], bk_down=TILES["bk_down"],
-                  warps_up=TILES["warps_up"], warps_down=TILES["warps_down"], stages_up=TILES["stages_up"],
-                  stages_down=TILES["stages_down"], shared=None, shared_limit=0.0, interpret=None, y_init=None):
+@functools.partial(jax.jit, static_argnames=("limit", "tokens", "shared_limit", "tuning", "interpret"))
+def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, tokens=None, shared=None,
+                  shared_limit=0.0, tuning: ExpertTuning = ExpertTuning(), interpret=None):
     """Σ_k w·E_k(x) as [T, D] f32; same arguments and result as `experts_gathered`.
 
     x: [R, D]; w_gate/w_up: [E, I, D]; w_down: [E, D, I] (torch [out, in]); weights: [R, k] f32;
     experts: [R, k] int32; T = `tokens` (default R): the first T rows are computed, in place, so a
     verify's zero-padded rows (lingjax/model.py, row invariance) cost no slicing launches.
-    `shared=(w_gate [I, D], w_up [I, D], w_down [D, I])` also runs the shared expert
-    (clamped at `shared_limit`) as extra blocks of the same two launches and adds it, unweighted, to the
-    result. `y_init` ([NP + 1 (+ T), D] f32, tests only) seeds the output rows so that a row no kernel wrote
-    shows up.
-
-    Tiles: the defaults (TILES) at every T; routed_experts' decode takes one_token_tiles. On the H200 every
-    tile set tried gave a token's row the same bits in a T=1 decode as in a T=6 verify (18 up and down
-    variants, and the K step of 256 with x's row broadcast in every call of 2026-12-01's run5: the tensor
-    cores accumulate along K in one order whatever the tile); bench/moe_bench.py checks it in every run. The
-    defaults were the fastest at T = 1, 4 and 6, at I = 768 (TP1) and at I = 384 (a TP2 device's half):
-    up 64 x 128 at 5 stages, down 64 x 128 at 3 (bench/results/moe_h200_2026-12-01.md: at T = 1, I = 768
-    up 20.7 and down 11.0 µs against 23.8 and 13.1 for the previous 32 x 256 / 64 x 256).
+    `shared=(w_gate [I, D], w_up [I, D], w_down [D, I])` also runs the shared expert (clamped at
+    `shared_limit`) as extra blocks of the same two launches and adds it, unweighted, to the result.
+    Shapes it lowers for: supports_fused_experts.
     """
     interpret = resolve_interpret(interpret)
     rows = x.shape[0]
@@ -227,78 +273,76 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     if not 1 <= t <= rows or weights.shape[0] != rows or experts.shape[0] != rows:
         raise ValueError(f"tokens={tokens} for x {x.shape}, weights {weights.shape}, experts {experts.shape}")
     top_k = experts.shape[1]
+    block_m = tuning.block_m
     n_blocks = n_blocks_for(t * top_k, block_m, w_gate.shape[0])
     if t == 1 and n_blocks == top_k:
         plan, nb = (_single_token_slots(top_k, block_m), experts.reshape(-1).astype(jnp.int32)), top_k
     else:
         ids, blk, _, _ = moe_align(experts, block_m=block_m, n_blocks=n_blocks, tokens=t, interpret=interpret)
         plan, nb = (ids, blk), blk.shape[0]
-    tiles = dict(bn_up=bn_up, bk_up=bk_up, bn_down=bn_down, bk_down=bk_down, warps_up=warps_up,
-                 warps_down=warps_down, stages_up=stages_up, stages_down=stages_down)
     return _expert_launches(x, w_gate, w_up, w_down, plan, weights.reshape(-1).astype(F32), limit, t=t, nb=nb,
-                            top_k=top_k, block_m=block_m, tiles=tiles, shared=shared, shared_limit=shared_limit,
-                            routing=None, interpret=interpret, y_init=y_init)
+                            top_k=top_k, tuning=tuning, shared=shared, shared_limit=shared_limit, routing=None,
+                            interpret=interpret)
+
+
+def _resolve(tuning: ExpertTuning | None, t: int, i_dim: int) -> ExpertTuning:
+    """routed_experts' tiles: those given, else one_token_tiles at T = 1 and the defaults above."""
+    if tuning is not None:
+        return tuning
+    return one_token_tiles(i_dim) if t == 1 else ExpertTuning()
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("limit", "top_k", "n_group", "topk_group", "scaling", "renormalize", "precision", "tokens",
-                     "shared_limit", "select_in_up", "interpret"),
+                     "shared_limit", "tuning", "interpret"),
 )
 def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k, n_group, topk_group, scaling,
-                   renormalize, precision="f32", tokens=None, shared=None, shared_limit=0.0, select_in_up=True,
-                   interpret=None):
+                   renormalize, precision="f32", tokens=None, shared=None, shared_limit=0.0,
+                   tuning: ExpertTuning | None = None, interpret=None):
     """The routed experts of x's first T = `tokens` rows (default all), routing included: as
     lingjax.ops.moe.routed_experts, [T, D] f32 (`shared`, `shared_limit` as in fused_experts).
 
-    At T = 1 routing costs no launch of its own: after the router's GEMV launch (partial logits), every
-    program of the up kernel that reads a routed expert sums the partials and ranks the token's experts
-    itself, taking the b-th (lingjax.pallas.moe_router.token_expert, the select kernel's own ranking, so the
-    same ids), and the first shared-expert program, once its tile is done, computes the whole routing
-    (token_routing) for the down kernel. On the H200 a Flash layer took 42.3 µs this way against 43.5 with the
-    select launch, measured interleaved in one process (bench/results/moe_h200_2026-12-01_run3.md); the
-    selection takes ~2-3 µs of every routed program, while the shared expert's programs (SHARED_SPLIT) stream
-    (bench/results/moe_h200_2026-12-01_run6.md) from L2: the routed programs prefetch the shared gate and up
-    weights there once they have issued their own loads (lingjax.pallas.l2_prefetch; 0.4-0.9 µs a layer at
-    I = 768, bench/results/moe_h200_2026-12-01_run7.md). Its up kernel steps K by 256 at 3 stages and reads x's one
-    row, in I tiles that make one wave of programs (one_token_tiles): 0.5-1.2 µs less a layer than the default
-    tiles at TP1 and 1.4 at TP2's width (bench/results/moe_h200_2026-12-01_run5.md; at T = 6 the same up tiles
-    took 1.2 µs more than the defaults, run4, so the verify keeps those). Above
-    T = 1, or with select_in_up=False (an A/B in the step: step_bench --kernel-option): the two router
-    launches (lingjax.pallas.moe_router.route), then fused_experts.
+    At T = 1: the router's GEMV (moe_router.partial_logits), then the up kernel, whose routed programs each
+    rank the token's experts and take their own (moe_router.token_expert) and whose first shared-expert program
+    publishes the whole routing (token_routing) for the down kernel; the same ids as the select kernel's.
+    Above T = 1: moe_router.route, then fused_experts. The router takes RouterTuning's defaults; `tuning` is
+    the expert launches' (None: one_token_tiles at T = 1, ExpertTuning() above). Shapes it lowers for:
+    supports_routed_experts.
     """
     interpret = resolve_interpret(interpret)
     t = x.shape[0] if tokens is None else tokens
+    tuning = _resolve(tuning, t, w_gate.shape[1])
     routing = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, scaling=float(scaling),
                    renormalize=bool(renormalize))
-    if t > 1 or not select_in_up or n_blocks_for(top_k, BLOCK_M, w_gate.shape[0]) != top_k:
+    if t > 1 or n_blocks_for(top_k, tuning.block_m, w_gate.shape[0]) != top_k:
         weights, experts = route(x, router_w, bias, precision=precision, **routing, interpret=interpret)
         return fused_experts(x, w_gate, w_up, w_down, weights, experts, limit, tokens=t, shared=shared,
-                             shared_limit=shared_limit, interpret=interpret)
+                             shared_limit=shared_limit, tuning=tuning, interpret=interpret)
     check_routing(router_w.shape[0], n_group=n_group, topk_group=topk_group, top_k=top_k)
     logits = partial_logits(x, router_w, precision=precision, tokens=1, interpret=interpret)
     return _expert_launches(x, w_gate, w_up, w_down, (logits, bias.astype(F32)), None, limit, t=1, nb=top_k,
-                            top_k=top_k, block_m=BLOCK_M, tiles=one_token_tiles(w_gate.shape[1]), shared=shared,
-                            shared_limit=shared_limit,
-                            routing=tuple(routing.items()), interpret=interpret, y_init=None)
+                            top_k=top_k, tuning=tuning, shared=shared, shared_limit=shared_limit,
+                            routing=tuple(routing.items()), interpret=interpret)
 
 
-def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, top_k, block_m, tiles, shared,
-                     shared_limit, routing, interpret, y_init):
+def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, top_k, tuning, shared, shared_limit,
+                     routing, interpret):
     """The up and down launches and the k-sum. plan: (slot table, expert per block) with weights [NP] f32, or
     with `routing` (T = 1) the router's (partial logits, bias), weights None: the up kernel routes."""
     d = x.shape[1]
     n_exp, i_dim, _ = w_gate.shape
     npairs = t * top_k
+    block_m = tuning.block_m
     if shared is not None and shared[0].shape != (i_dim, d):
         raise ValueError(f"a fused shared expert needs width {i_dim}, got {shared[0].shape}")
-    bn_up, bk_up = pow2_tile(i_dim, tiles["bn_up"]), pow2_tile(d, tiles["bk_up"])
-    bn_down, bk_down = pow2_tile(d, tiles["bn_down"]), pow2_tile(i_dim, tiles["bk_down"])
+    bn_up, bk_up = pow2_tile(i_dim, tuning.bn_up), pow2_tile(d, tuning.bk_up)
+    bn_down, bk_down = pow2_tile(d, tuning.bn_down), pow2_tile(i_dim, tuning.bk_down)
     slots = nb * block_m if routing else plan[0].shape[0]
     ns = 0 if shared is None else pl.cdiv(t, block_m)  # shared-expert blocks
-    # at T = 1 the shared expert's block runs on SHARED_SPLIT times the programs, each 1/SHARED_SPLIT as wide:
-    # they stream while the routed programs select, and leave the bandwidth to them sooner
-    split = SHARED_SPLIT if routing and ns and bn_up // SHARED_SPLIT >= MIN_DOT_ROWS else 1
+    # at T = 1 the shared expert's block runs on more programs, each narrower: they stream while the routed
+    # programs select, and leave the bandwidth to them sooner
+    split = _shared_split(tuning, bn_up, bool(routing), ns > 0)
     # at T = 1 the routed programs, nb x I tiles, share the shared expert's gate and up weights to prefetch
     prefetch_lines = lines_per_program(shared[:2], nb * (i_dim // bn_up)) if routing and ns else 0
 
@@ -316,67 +360,30 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     h, *routed = pallas_call(
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
                           limit=float(limit), shared_limit=float(shared_limit), routing=routing,
-                          x_row=reads_one_row(t, bk_up, x.dtype), shared_split=split, prefetch_lines=prefetch_lines),
+                          x_row=reads_one_row(t, bk_up, x.dtype, tuning.x_row_min_bytes), shared_split=split,
+                          prefetch_lines=prefetch_lines),
         out_shape=out_shape,
         grid=(nb + ns * split, i_dim // bn_up),
-        compiler_params=params(tiles["warps_up"], tiles["stages_up"], up_stage),
+        compiler_params=params(tuning.warps_up, tuning.stages_up, up_stage),
         interpret=interpret,
         name="moe_up_select" if routing else "moe_up_swiglu",
     )(*plan, x, w_gate, w_up, *(() if shared is None else shared[:2]))
 
     if routing:
         plan, weights = (_single_token_slots(top_k, block_m), routed[1].reshape(-1)), routed[0].reshape(-1)
-    down_args = (*plan, weights, h, w_down) + (() if shared is None else shared[2:])
-    aliases = {}
-    if y_init is not None:
-        down_args, aliases = down_args + (y_init,), {len(down_args): 0}
     out_rows = npairs + 1 + (t if ns else 0)
     y = pallas_call(
-        functools.partial(_down_kernel, nb=nb, npairs=npairs, block_m=block_m, bn=bn_down, bk=bk_down,
-                          has_shared=ns > 0),
+        functools.partial(_down_kernel, nb=nb, npairs=npairs, block_m=block_m, bn=bn_down, bk=bk_down),
         out_shape=jax.ShapeDtypeStruct((out_rows, d), F32),
         grid=(nb + ns, d // bn_down),
-        input_output_aliases=aliases,
-        compiler_params=params(tiles["warps_down"], tiles["stages_down"], down_stage),
+        compiler_params=params(tuning.warps_down, tuning.stages_down, down_stage),
         interpret=interpret,
         name="moe_down_combine",
-    )(*down_args)
-    # f32 sum over the k slots, in slot order as a chain of adds: on the H200 a reduce here summed in an order
-    # that changed with T, so a token's row differed between a decode and a verify (lingjax/model.py, row
-    # invariance; bench/results/moe_h200_2026-12-01_run4.md)
+    )(*plan, weights, h, w_down, *(() if shared is None else shared[2:]))
+    # f32 sum over the k slots, in slot order as a chain of adds (not a reduce, whose order on the GPU may
+    # change with T): a token's row is the same in a decode and a verify (lingjax/model.py, row invariance)
     per_slot = y[:npairs].reshape(t, top_k, d)
     out = per_slot[:, 0]
     for j in range(1, top_k):
         out = out + per_slot[:, j]
     return out + y[npairs + 1:] if ns else out
-
-
-def _inputs(key, t, d, i, e, k, dtype):
-    ks = jax.random.split(key, 6)
-    x = jax.random.normal(ks[0], (t, d), F32).astype(dtype)
-    wg = (jax.random.normal(ks[1], (e, i, d), F32) / d**0.5).astype(dtype)
-    wu = (jax.random.normal(ks[2], (e, i, d), F32) / d**0.5).astype(dtype)
-    wd = (jax.random.normal(ks[3], (e, d, i), F32) / i**0.5).astype(dtype)
-    ex = jax.vmap(lambda kk: jax.random.permutation(kk, e)[:k])(jax.random.split(ks[4], t)).astype(jnp.int32)
-    w = jax.random.uniform(ks[5], (t, k), F32)
-    return x, wg, wu, wd, w, ex
-
-
-if __name__ == "__main__":  # GPU: sweep tiles at Flash size, check each, µs and % of the byte floor
-    d, i, e, k, layers = 2560, 768, 512, 8, 8
-    bw = 4.3e12  # B/s; bench/moe_bench.py measures it in the same run
-    for t in (1, 6):
-        sets = [_inputs(jax.random.key(l), t, d, i, e, k, jnp.bfloat16) for l in range(layers)]
-        want = experts_gathered(*sets[0])
-        n_dist = sum(len(set(jax.device_get(s[5]).ravel().tolist())) for s in sets) / layers
-        floor_us = n_dist * 3 * i * d * 2 / bw * 1e6
-        for bn_up, bk_up, bn_down, stages in [(16, 256, 64, 3), (32, 256, 64, 3), (64, 128, 64, 3)]:
-            kw = dict(bn_up=bn_up, bk_up=bk_up, bn_down=bn_down, stages_up=stages, stages_down=stages)
-            err = float(jnp.abs(fused_experts(*sets[0], **kw) - want).max() / jnp.abs(want).max())
-            run = jax.jit(lambda ss, kw=kw: jax.lax.fori_loop(0, 50, lambda _, acc: acc + sum(
-                fused_experts(*s[:4], s[4] + acc[0, 0] * 0, s[5], **kw)[0, 0] for s in ss), 0.0))
-            run(sets).block_until_ready()
-            t0 = time.perf_counter()
-            run(sets).block_until_ready()
-            us = (time.perf_counter() - t0) / (50 * layers) * 1e6
-            print(f"T={t} {kw}: err {err:.1e}, {us:.1f} us, {100 * floor_us / us:.0f}% of floor {floor_us:.1f} us")

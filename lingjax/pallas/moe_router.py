@@ -1,39 +1,23 @@
-"""noaux_tc router (ling3_architecture.md §6.1): gate GEMV, sigmoid, biased group-limited top-k, weights.
+"""noaux_tc router, the Pallas form of lingjax.ops.moe.route: gate GEMV, sigmoid, biased group-limited top-k.
 
-Two launches, both tiny:
-  1. Gate GEMV, grid (E tile, K split, token block): partial logits [KS, T, E] f32. Reading the 2.6 MB
-     router weight at full bandwidth needs many CTAs in flight at once: the default K split of 10 gives
-     32 × 10 = 320 programs of one 8 KB tile each (k_splits=1 gave 32 programs streaming 80 KB; 5 splits
-     of 16 KB were ~0.3 µs slower at T = 1, 6 and 16, bench/results/moe_h200_2026-12-01_run4.md).
-  2. Selection, one token per program of 4 warps (select="vector", the default; `token_routing`): sum the
-     K-split partials, sigmoid, add the bias for selection only, top-2 sum per group, keep the top `topk_group`
-     groups, top-k experts, weights from the raw scores, renormalise, scale. At T = 1 the model runs no select
-     launch: lingjax.pallas.moe_experts.routed_experts ranks the token's experts inside its up kernel
-     (`token_expert`, `token_routing`). Building
-     the experts' align plan in this kernel too (one program over all tokens) was tried and measured slower
-     than router + a separate align launch (T = 6 on the H200: 37.1 vs 27.7 µs,
-     bench/results/moe_h200_2026-11-29_run3.md).
-     select="serial" is the first version (one program per token, ~28 full-width argmax passes, each a
-     cross-warp reduction), kept for the bench's comparison (LEGACY).
-Ties resolve to the lower index at every stage, as `jax.lax.top_k` does, and experts come out in the
-reference's order (descending biased score).
+Two launches (docs/kernels/moe.md):
+  1. moe_router_gemv, grid (E / be, K splits, T / bt): partial logits [KS, T, E] f32 whose sum over KS is
+     x · router_wᵀ. Many small programs, so that enough loads are in flight to stream the weight.
+  2. moe_router_select, one token per program: the partials summed in K order, sigmoid, the bias added for
+     selection only, top-2 sum per group, the top `topk_group` groups, the top-k experts, weights from the raw
+     scores, renormalised and scaled.
+The selection (token_routing, token_expert) also runs inside lingjax.pallas.moe_experts' decode up kernel,
+which routes its token itself. Ties resolve to the lower index at every stage and the experts come out in
+the reference's order (descending biased score), as jax.lax.top_k: the same ids, bit for bit.
 
-A one-launch router (the GEMV's last program to finish selecting for every token, after an arrival
-counter) measured 23.6 µs against the two launches' 8.3 at T = 1 (bench/results/moe_h200x2_2026-11-30.md):
-its selection ran on the GEMV's 16-row, 4-warp blocks and held registers in every program. Removed; the
-code is in commit 3d43402.
-
-precision="f32" (default, parity): the dot is exact-product f32. With bf16 x and weight (a bf16
-checkpoint) every product is exact in f32, so it runs on the tensor cores with f32 accumulation (same
-result up to summation order, as any f32 GEMV); with f32 operands Triton's IEEE f32 dot (no tensor
-cores, 16 padded token rows of FMAs). precision="bf16" rounds x (and an f32 weight) to bf16 — the seed's
-declared rounding change; logits then differ by ~1e-2 relative and near-tied experts may swap.
-
-Reference: lingjax.ops.moe.route. Timings of every variant: bench/moe_bench.py.
+precision="f32": exact products in f32 (bf16 x and weight on the tensor cores, whose bf16 products are exact,
+with f32 accumulation; f32 operands as IEEE f32 FMAs). precision="bf16" rounds x (and an f32 weight) to bf16,
+as the reference does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,13 +25,81 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import dot_nt, pallas_call, reads_one_row, resolve_interpret, x_rows
+from lingjax.pallas import (MIN_DOT_K, X_ROW_MIN_BYTES, dot_nt, is_pow2, pallas_call, reads_one_row, resolve_interpret,
+                            short_dot, x_rows)
 
 F32 = jnp.float32
 
-# The first version's kernels (measured in bench/results/moe_h200_2026-11-29.md): the bench times them
-# against the defaults.
-LEGACY = dict(k_splits=1, bk=512, select="serial", select_warps=4, tensor_core_f32=False)
+
+@dataclasses.dataclass(frozen=True)
+class RouterTuning:
+    """The router launches' static choices. The GEMV's tiles are the largest divisors of their dimension up to
+    the values given (be of E, k_splits of D, bk of D / k_splits)."""
+
+    be: int = 16  # experts per GEMV program
+    bk: int = 256  # the GEMV's K step
+    k_splits: int = 10  # K splits of the GEMV, each a program per expert tile and token block
+    bt: int = 16  # token rows per GEMV program
+    warps: int = 4  # per GEMV program
+    stages: int = 3  # the GEMV's K-loop pipeline
+    select_warps: int = 4  # per select program (one token each)
+    x_row_min_bytes: int = X_ROW_MIN_BYTES  # T = 1: a K step's x row from this size is read once and broadcast
+
+
+def _divisor(n: int, want: int) -> int:
+    """Largest d ≤ want dividing n."""
+    return next(d for d in range(min(want, n), 0, -1) if n % d == 0)
+
+
+def _gemv_tiles(d: int, n_exp: int, tuning: RouterTuning):
+    """(k_splits, k_per_split, bk, be) of the GEMV at hidden size d over n_exp experts."""
+    k_splits = _divisor(d, tuning.k_splits)
+    k_per_split = d // k_splits
+    return k_splits, k_per_split, _divisor(k_per_split, tuning.bk), _divisor(n_exp, tuning.be)
+
+
+def _gemv_dtype(x_dtype, w_dtype, precision: str):
+    """The GEMV's dot operand dtype: f32 at precision "f32" unless x and the weight are both bf16 (whose products
+    f32 holds exactly, so the tensor cores compute them), else bf16."""
+    exact_in_bf16 = x_dtype == w_dtype == jnp.bfloat16
+    return F32 if precision == "f32" and not exact_in_bf16 else jnp.bfloat16
+
+
+def gemv_supports(x_dtype, router_w, precision: str = "f32", tuning: RouterTuning = RouterTuning()) -> str | None:
+    """None when the GEMV for x of `x_dtype` and router_w [E, D] (an array or ShapeDtypeStruct) lowers to Triton
+    and computes right on the GPU, else why not: its blocks must be powers of 2, and its K step at least MIN_DOT_K
+    on 16-bit operands."""
+    n_exp, d = router_w.shape
+    k_splits, k_per_split, bk, be = _gemv_tiles(d, n_exp, tuning)
+    if not is_pow2(bk):
+        return (f"the router GEMV's K step of {bk} (hidden size {d} in {k_splits} K splits of {k_per_split}), "
+                "not a power of 2")
+    if not is_pow2(be):
+        return f"the router GEMV's expert tile of {be} ({n_exp} experts), not a power of 2"
+    if not is_pow2(tuning.bt):
+        return f"the router GEMV's token block of {tuning.bt}, not a power of 2"
+    if short_dot(bk, _gemv_dtype(x_dtype, router_w.dtype, precision)):
+        return (f"the router GEMV's K step of {bk} (hidden size {d} in {k_splits} K splits) on bf16 operands, "
+                f"under the {MIN_DOT_K} a 16-bit Triton dot needs")
+    return None
+
+
+def select_supports(n_exp: int, top_k: int) -> str | None:
+    """None when the selection code lowers to Triton for n_exp experts and top_k, else why not: it works on
+    [1, E], [G, E / G] and [k, ·] blocks, which Triton needs in powers of 2."""
+    if not is_pow2(n_exp):
+        return f"{n_exp} experts in the router's selection, not a power of 2"
+    if not is_pow2(top_k):
+        return f"top_k {top_k} in the router's selection, not a power of 2"
+    return None
+
+
+def supports(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize, precision="f32",
+             tuning: RouterTuning = RouterTuning(), interpret=None) -> str | None:
+    """None when `route` with these arguments (arrays or ShapeDtypeStructs) lowers to Triton and computes right
+    on the GPU, else why not (gemv_supports, select_supports)."""
+    del bias, n_group, topk_group, scaling, renormalize, interpret
+    return gemv_supports(x.dtype, router_w, precision, tuning) or select_supports(router_w.shape[0], top_k)
 
 
 def _gemv_kernel(x_ref, w_ref, p_ref, *, t, bt, be, bk, k_per_split, dtype, x_row):
@@ -64,55 +116,6 @@ def _gemv_kernel(x_ref, w_ref, p_ref, *, t, bt, be, bk, k_per_split, dtype, x_ro
 
     acc = jax.lax.fori_loop(0, k_per_split // bk, step, jnp.zeros((bt, be), F32))
     p_ref[si, rows, cols] = acc
-
-
-def _argmax_untaken(v, taken, idx, n):
-    """Largest v not yet taken, lowest index on ties (lax.top_k order). v, taken, idx: [N]."""
-    v = jnp.where(taken, -jnp.inf, v)
-    m = jnp.max(v)
-    return jnp.min(jnp.where((v == m) & ~taken, idx, n))
-
-
-def _select_serial_kernel(p_ref, b_ref, w_ref, e_ref, *, n_group, topk_group, top_k, scaling, renormalize):
-    # LEGACY: one token per program, one full-width argmax (a max and a min) per chosen element.
-    # p_ref [KS, T, E] f32; b_ref [E] f32; w_ref [T, k] f32; e_ref [T, k] int32
-    t = pl.program_id(0)
-    n_exp = p_ref.shape[2]
-    gsize = n_exp // n_group
-    logits = jnp.sum(p_ref[:, t, :], axis=0)  # [E]
-    scores = 1.0 / (1.0 + jnp.exp(-logits))  # sigmoid, f32
-    sel = scores + b_ref[...]  # bias steers selection only
-    eidx = jnp.arange(n_exp, dtype=jnp.int32)
-    gid = eidx // gsize
-    none = eidx < 0  # all False
-
-    gidx = jnp.arange(n_group, dtype=jnp.int32)
-    gscore = jnp.zeros((n_group,), F32)
-    for g in range(n_group):  # top-2 sum per group
-        first = _argmax_untaken(sel, gid != g, eidx, n_exp)
-        second = _argmax_untaken(sel, (gid != g) | (eidx == first), eidx, n_exp)
-        pick = jnp.sum(jnp.where((eidx == first) | (eidx == second), sel, 0.0))
-        gscore = jnp.where(gidx == g, pick, gscore)
-
-    gtaken = gidx < 0
-    keep = none
-    for _ in range(topk_group):
-        g = _argmax_untaken(gscore, gtaken, gidx, n_group)
-        gtaken = gtaken | (gidx == g)
-        keep = keep | (gid == g)
-    masked = jnp.where(keep, sel, -jnp.inf)
-
-    kidx = jnp.arange(top_k, dtype=jnp.int32)
-    taken, ids, wts = none, jnp.zeros((top_k,), jnp.int32), jnp.zeros((top_k,), F32)
-    for j in range(top_k):
-        i = _argmax_untaken(masked, taken, eidx, n_exp)
-        taken = taken | (eidx == i)
-        ids = jnp.where(kidx == j, i, ids)
-        wts = jnp.where(kidx == j, jnp.sum(jnp.where(eidx == i, scores, 0.0)), wts)  # raw score
-    if renormalize:
-        wts = wts / (jnp.sum(wts) + 1e-20)
-    w_ref[t, :] = wts * scaling
-    e_ref[t, :] = ids
 
 
 def _group_heads(sel2, kk):
@@ -160,13 +163,10 @@ def select_token(logits, bias, *, n_group, topk_group, top_k, scaling, renormali
     """Routing of one token inside a kernel: logits [1, E] f32, bias [E] f32 -> (weights [1, k] f32, ids [1, k]
     int32), as lingjax.ops.moe.route, bit for bit.
 
-    A full-width reduction costs a select program ~0.2 µs on the H200 and sits on the critical path, so there
-    are few: every group's k largest come from k passes along the group axis (all groups at once, ~0.12 µs a
-    pass); their first two give the group scores, and the kept groups are ranked by one [G, G] count. The
-    token's top k are among the kept groups' heads (any expert that beats a top-k member is itself one), so
-    each head's rank among the G·k heads is one [G·k, G·k] count, exact for the top k; then the k ids and
-    their raw scores. In one program of 4 warps this took 1.76 µs against 2.77 for k argmax passes over the
-    kept experts (bench/results/moe_h200_2026-12-01_run4.md). Ties resolve to the lower index everywhere."""
+    Few full-width reductions, each on the critical path: every group's k largest come from k passes along the
+    group axis (all groups at once); their first two give the group scores, and one [G, G] count ranks the
+    groups. The token's top k are among the kept groups' heads (an expert that beats a top-k member is itself
+    a head), so one [G·k, G·k] count ranks them exactly for the top k. Ties resolve to the lower index."""
     scores, ci, rank = _ranked_heads(logits, bias, n_group=n_group, topk_group=topk_group, top_k=top_k)
     picked = jax.lax.broadcasted_iota(jnp.int32, (top_k, ci.shape[1]), 0) == rank  # [k, heads]
     top = jnp.sum(jnp.where(picked, ci, 0), axis=1)  # [k] expert ids, best first
@@ -194,9 +194,8 @@ def token_routing(p_ref, b_ref, t, **cfg):
 
 def token_expert(logits, bias, j, *, n_group, topk_group, top_k, scaling, renormalize):
     """The j-th expert (int32 scalar, j traced) of a token's logits [1, E] f32 (token_logits) and the bias [E]
-    f32, the same id as token_routing's ids[0, j], without the weights: each of the decode's up programs needs
-    only its own expert, and the ranking, picks and weights took ~1.25 of the selection's ~3 µs in every program
-    on the H200 (bench/results/moe_h200_2026-12-01_run6.md)."""
+    f32: token_routing's ids[0, j], without the picks and weights, which each of the decode's up programs (one
+    expert each) need not spend time on."""
     del scaling, renormalize
     _, ci, rank = _ranked_heads(logits, bias, n_group=n_group, topk_group=topk_group, top_k=top_k)
     return jnp.sum(jnp.where(rank == j, ci, 0))
@@ -208,44 +207,31 @@ def _select_kernel(p_ref, b_ref, w_ref, e_ref, **cfg):
     w_ref[row, :], e_ref[row, :] = token_routing(p_ref, b_ref, pl.program_id(0), **cfg)
 
 
-def _divisor(n: int, want: int) -> int:
-    """Largest d ≤ want dividing n (the test dims are not multiples of the Flash tiles)."""
-    return next(d for d in range(min(want, n), 0, -1) if n % d == 0)
-
-
 def check_routing(n_exp: int, *, n_group: int, topk_group: int, top_k: int):
     """Raises unless the kept groups hold at least top_k of the n_exp experts."""
     if topk_group * (n_exp // n_group) < top_k:
         raise ValueError(f"top_k={top_k} needs at least that many experts in the {topk_group} kept groups")
 
 
-# the GEMV launch's defaults (route's and partial_logits')
-GEMV = dict(be=16, bk=256, k_splits=10, bt=16, warps=4, stages=3, tensor_core_f32=True)
-
-
-def partial_logits(x, router_w, *, precision="f32", tokens=None, be=GEMV["be"], bk=GEMV["bk"],
-                   k_splits=GEMV["k_splits"], bt=GEMV["bt"], warps=GEMV["warps"], stages=GEMV["stages"],
-                   tensor_core_f32=GEMV["tensor_core_f32"], interpret=None):
+def partial_logits(x, router_w, *, precision="f32", tokens=None, tuning: RouterTuning = RouterTuning(),
+                   interpret=None):
     """The gate GEMV's launch: partial logits [KS, T, E] f32 of x's first T = `tokens` rows (default all), read
     in place; their sum over KS is x · router_wᵀ."""
     if precision not in ("f32", "bf16"):
         raise ValueError(f"precision must be 'f32' or 'bf16', got {precision!r}")
     interpret = resolve_interpret(interpret)
     t = x.shape[0] if tokens is None else tokens
-    d = x.shape[1]
-    n_exp = router_w.shape[0]
-    k_splits = _divisor(d, k_splits)
-    k_per_split = d // k_splits
-    bk = _divisor(k_per_split, bk)
-    be = _divisor(n_exp, be)
-    exact_in_bf16 = tensor_core_f32 and x.dtype == router_w.dtype == jnp.bfloat16  # products exact in f32
-    dtype = F32 if precision == "f32" and not exact_in_bf16 else jnp.bfloat16
+    n_exp, d = router_w.shape
+    k_splits, k_per_split, bk, be = _gemv_tiles(d, n_exp, tuning)
+    dtype = _gemv_dtype(x.dtype, router_w.dtype, precision)
+    bt = tuning.bt
     return pallas_call(
         functools.partial(_gemv_kernel, t=t, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype,
-                          x_row=reads_one_row(t, bk, x.dtype)),
+                          x_row=reads_one_row(t, bk, x.dtype, tuning.x_row_min_bytes)),
         out_shape=jax.ShapeDtypeStruct((k_splits, t, n_exp), F32),
         grid=(n_exp // be, k_splits, pl.cdiv(t, bt)),
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.warps,
+                                                                       num_stages=tuning.stages),
         interpret=interpret,
         name="moe_router_gemv",
     )(x, router_w)
@@ -253,39 +239,23 @@ def partial_logits(x, router_w, *, precision="f32", tokens=None, be=GEMV["be"], 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("top_k", "n_group", "topk_group", "scaling", "renormalize", "precision", "be", "bk",
-                     "k_splits", "bt", "warps", "stages", "tensor_core_f32", "select", "select_warps",
-                     "interpret"),
+    static_argnames=("top_k", "n_group", "topk_group", "scaling", "renormalize", "precision", "tuning", "interpret"),
 )
-def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize, precision="f32", be=GEMV["be"],
-          bk=GEMV["bk"], k_splits=GEMV["k_splits"], bt=GEMV["bt"], warps=GEMV["warps"], stages=GEMV["stages"],
-          tensor_core_f32=GEMV["tensor_core_f32"], select="vector", select_warps=4, interpret=None):
+def route(x, router_w, bias, *, top_k, n_group, topk_group, scaling, renormalize, precision="f32",
+          tuning: RouterTuning = RouterTuning(), interpret=None):
     """Same as lingjax.ops.moe.route: x [T, D], router_w [E, D], bias [E] -> (weights [T, k] f32, experts
-    [T, k] int32).
-
-    select_warps: warps of each select program (one token each). 4 by default: on the H200 the select
-    kernel took 4.9 µs at 4 warps, 5.0-5.2 at 2 and 5.5-5.6 at 1, at T = 1, 6 and 8
-    (bench/results/moe_h200_2026-12-01.md).
-    """
-    if select not in ("vector", "serial"):
-        raise ValueError(f"select must be 'vector' or 'serial', got {select!r}")
+    [T, k] int32). Shapes it lowers for: `supports`."""
     interpret = resolve_interpret(interpret)
     t = x.shape[0]
     check_routing(router_w.shape[0], n_group=n_group, topk_group=topk_group, top_k=top_k)
-    partial = partial_logits(x, router_w, precision=precision, tensor_core_f32=tensor_core_f32, be=be, bk=bk,
-                             k_splits=k_splits, bt=bt, warps=warps, stages=stages, interpret=interpret)
+    partial = partial_logits(x, router_w, precision=precision, tuning=tuning, interpret=interpret)
     cfg = dict(n_group=n_group, topk_group=topk_group, top_k=top_k, scaling=float(scaling),
                renormalize=bool(renormalize))
-    if select == "serial":
-        kernel = functools.partial(_select_serial_kernel, **cfg)
-    else:
-        kernel = functools.partial(_select_kernel, **cfg)
     return pallas_call(
-        kernel,
+        functools.partial(_select_kernel, **cfg),
         out_shape=(jax.ShapeDtypeStruct((t, top_k), F32), jax.ShapeDtypeStruct((t, top_k), jnp.int32)),
         grid=(t,),
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=select_warps, num_stages=1),
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.select_warps, num_stages=1),
         interpret=interpret,
         name="moe_router_select",
     )(partial, bias.astype(F32))
-
