@@ -1,35 +1,30 @@
 """The step programs compiled for an H200 on a machine without a GPU (deviceless AOT): launches counted.
 
-  JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python bench/aot_census.py --model flash --tp 2 [--steps 3]
-      [--rounds-per-call 4] [--kernels pallas] [--hlo-out DIR]
-  python bench/aot_census.py --from-hlo FILE...     (the census of saved optimised HLO; no plugin needed)
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python bench/aot_census.py --model flash --tp 2 --rounds-per-call 4 --out aot.md
+    python bench/aot_census.py --from-hlo FILE...     # the census of saved optimised HLO; no plugin needed
 
-Needs jax's CUDA 13 plugin, in an environment of its own (`pip install "jax[cuda13]==0.11.2"
-flax==0.12.10 safetensors`, ~4.6 GB), and no GPU: XLA's GPU compiler and Triton compile the programs for
-the target description below (sm_90, 132 SMs), and the plugin's CUDA version checks, which need a
-driver, are skipped by the environment variable.
+Needs jax's CUDA 13 plugin, in an environment of its own (`pip install "jax[cuda13]==0.11.2" flax==0.12.10
+safetensors`, ~4.6 GB), and no GPU: XLA's GPU compiler and Triton compile the programs for the target description
+below (sm_90, 132 SMs), and the plugin's CUDA version checks, which need a driver, are skipped by the environment
+variable.
 
-Why: every kernel of a step costs ~2-3 µs of latency on the H200 even inside a CUDA graph, so launches
-per step are the lever the step benchmark points at, and device time is scarce. This compiles what
-step_bench times (the T=1 decode and the speculative round, with the GPU compiler options of
-lingjax.runtime.step_jit and the Pallas kernels lowered through Triton) and counts launches the way
-step_bench does. It also lists the launches of the ENTRY computation and loop bodies by kind. The weights
-are abstract (shapes only), so Flash at any TP compiles on a laptop.
+Why: every kernel of a step costs a few µs of latency on the H200 even inside a CUDA graph, so launches per step
+are a lever, and device time is scarce. This compiles what step_bench times (the T=1 decode and the speculative
+round, with the GPU compiler options of lingjax.runtime.step_jit and the Pallas kernels lowered through Triton)
+and counts launches as step_bench does (common.launch_summary); it also lists the launches of the ENTRY
+computation and loop bodies by kind and by the model's named scope. The weights are abstract (shapes only), so
+Flash at any TP compiles on a laptop.
 
-How it makes lingjax take its GPU paths: lingjax.target.compile_for("gpu", the topology's devices) (Pallas
-not interpreted, step_jit's compiler options, kernels="auto" -> pallas, the mesh from those devices;
-abstract weights stay abstract in sharding.place), and it lowers under an abstract mesh naming the H200
-(Pallas reads the target from it).
-Not the same as the device: no autotuning, so GEMM tile configs may differ from a real compile; which
-ops fuse into which kernels is the compiler's own decision. bench/results/aot_census_2026-11-30.md
-has Flash's counts at TP2 and TP4. Against a device compile of the same tree (step_bench --profile's saved
-round HLO, counted by --from-hlo) the Flash TP2 round had 997 launches here and 993 on the H200
-(bench/results/step_flash_h200x2_2026-11-30_run5.md).
+How it makes lingjax take its GPU paths: lingjax.target.compile_for("gpu", the topology's devices) (Pallas not
+interpreted, step_jit's compiler options, kernels="auto" -> pallas, the mesh from those devices; abstract weights
+stay abstract in sharding.place), and it lowers under an abstract mesh naming the H200 (Pallas reads the target
+from it). Not the same as the device: no autotuning, so GEMM tile configs may differ from a real compile; which
+ops fuse into which kernels is the compiler's own decision. step_bench --profile saves a device compile's round
+HLO, which --from-hlo counts the same way.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import os
@@ -47,10 +42,9 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the lingjax of this tree
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_bench import (LAUNCH, grouped, kernel_option, launch_lines, launch_summary, options_label,  # noqa: E402
-                        xla_option)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's lingjax, in the plugin's environment
+from common import (LAUNCH, Report, add_options, launch_lines, launch_summary, parser, progress,  # noqa: E402
+                    tuning_for, tuning_label, xla_label)
 
 H200 = """
 gpu_device_info {
@@ -72,12 +66,11 @@ H200_BYTES = 143771 * 2**20  # the H200's memory as nvidia-smi reports it (14377
 
 
 def target_devices(n: int, mem_fraction: float):
-    """n H200s of one host, described, not present. XLA's GPU memory limit (for scheduling and
-    rematerialization) starts from the compile options' device memory size: on a device jaxlib passes the
-    allocator's limit (XLA_PYTHON_CLIENT_MEM_FRACTION of the memory); without one XLA takes 80% of the
-    described memory. So the description gets mem_fraction / 0.8 of the memory, and XLA's base equals
-    the device's. Otherwise Flash at TP2 (128 GB of arguments against 80% of 150 GB) would show ~145
-    rematerialized launches that a device compile does not make (bench/results/aot_census_2026-11-30.md)."""
+    """n H200s of one host, described, not present. XLA's GPU memory limit (for scheduling and rematerialization)
+    starts from the compile options' device memory size: on a device jaxlib passes the allocator's limit
+    (XLA_PYTHON_CLIENT_MEM_FRACTION of the memory); without one XLA takes 80% of the described memory. So the
+    description gets mem_fraction / 0.8 of the memory, and XLA's base equals the device's; otherwise a model that
+    nearly fills the device (Flash at TP2) shows rematerialized launches that a device compile does not make."""
     memory = int(H200_BYTES * mem_fraction / 0.8)
     topo = topologies.get_topology_desc(platform="cuda", target_config=H200.replace("{memory}", str(memory)),
                                         topology=f"1x1x{n}")
@@ -92,9 +85,9 @@ def abstract_mesh(n: int, axis: str):
 
 
 def launches(compiled_text: str):
-    """The launches launch_lines finds, each as (kind, scope): kind is the fusion kind, the Pallas
-    kernel's name or the op; scope is the model's named scope ("kda_proj", "moe", ...; "" outside the
-    layers) from the launch's op_name, with its layer as "layerN_kind"."""
+    """The launches launch_lines finds, each as (kind, scope): kind is the fusion kind, the Pallas kernel's name or
+    the op; scope is the model's named scope ("kda_proj", "moe", ...; "" outside the layers) from the launch's
+    op_name, with its layer as "layerN_kind"."""
     out = []
     for line in launch_lines(compiled_text):
         m = LAUNCH.search(line)
@@ -112,55 +105,33 @@ def launches(compiled_text: str):
     return out
 
 
-def table(head: str, counts: collections.Counter) -> str:
-    rows = [f"| {k} | {n} |" for k, n in counts.most_common()]
-    return "\n".join([f"| {head} | launches |", "|---|---|", *rows])
+def count_table(say, head: str, counts: collections.Counter) -> None:
+    say.table(head, "launches")
+    for k, n in counts.most_common():
+        say.row(k, n)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="flash")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3, help="NEXTN drafts per round (verify width S+1)")
-    ap.add_argument("--rounds-per-call", type=int, default=4)
-    ap.add_argument("--kernels", default="pallas", choices=("pallas", "xla"))
-    ap.add_argument("--capacity", type=int, default=9216, help="cache positions (the serving bench's 8192 + 1024)")
-    ap.add_argument("--mem-fraction", type=float, default=0.91,
-                    help="XLA_PYTHON_CLIENT_MEM_FRACTION of the run being modelled (README: 0.91 at Flash TP2)")
-    ap.add_argument("--hlo-out", default=None, help="write each program's optimised HLO here")
-    ap.add_argument("--xla-option", type=xla_option, action="append", default=[], metavar="xla_NAME=VALUE",
-                    help="XLA debug options for the step programs, as step_bench --xla-option")
-    ap.add_argument("--kernel-option", type=kernel_option, action="append", default=[], metavar="OP:NAME=VALUE",
-                    help="options of the ops' Pallas kernels, as step_bench --kernel-option")
-    ap.add_argument("--from-hlo", nargs="+", default=None,
-                    help="census of these optimised HLO files instead (--hlo-out's, or step_bench --profile's .gz)")
-    args = ap.parse_args()
-    if args.from_hlo:
-        print_census([(path, (gzip.open(path, "rt") if path.endswith(".gz") else open(path)).read())
-                      for path in args.from_hlo])
-        return
+def step_model(args):
+    """The abstract model on the target's devices (inside target.compile_for), with --kernels and the options."""
+    from lingjax import sharding
+    from lingjax.config import preset
+    from lingjax.model import abstract_model
+    from lingjax.runtime import CompileOptions, Model, RunOptions
 
-    devices = target_devices(args.tp, args.mem_fraction)
-    from lingjax import target
-
-    with target.compile_for("gpu", devices):  # lingjax's GPU paths (module docstring)
-        texts = compile_programs(args, devices)
-    print_census(texts)
+    cfg = preset(args.model)
+    options = RunOptions(kernels=args.kernels, tuning=tuning_for(args.kernel_option, cfg, args.tp),
+                         compile=CompileOptions(xla_options=tuple(args.xla_option)))
+    return Model(abstract_model(cfg, jnp.bfloat16), options, mesh=sharding.mesh_for(cfg, args.tp), source=args.model)
 
 
-def compile_programs(args, devices) -> list[tuple[str, str]]:
+def compile_programs(args, devices, say) -> list[tuple[str, str]]:
     """The step programs compiled for `devices` (lingjax.target set to them): [(name, optimised HLO)]."""
     import lingjax.sharding as sharding
     from lingjax import engine
-    from lingjax.config import preset
-    from lingjax.model import abstract_model
-    from lingjax.runtime import Model
     from lingjax.sampling import SamplingParams
     from lingjax.spec.step import SpecState
 
-    cfg = preset(args.model)
-    model = Model(abstract_model(cfg, jnp.bfloat16), args.kernels, source=args.model, tp=args.tp,
-                  xla_options=tuple(args.xla_option), kernel_options=grouped(args.kernel_option))
+    model = step_model(args)
     mesh = model.mesh if model.mesh is not None else jax.sharding.Mesh(np.asarray(devices[:1]), (sharding.AXIS,))
 
     def typed(tree, specs):
@@ -182,16 +153,16 @@ def compile_programs(args, devices) -> list[tuple[str, str]]:
                 (f"spec round S={args.steps}, {args.rounds_per_call} per call",
                  model.spec_program(drafter, sampling, args.rounds_per_call).round, (weights, state))]
 
-    options = options_label(args.xla_option, grouped(args.kernel_option))
-    print(f"# aot_census: {args.model}, tp {args.tp}, kernels {args.kernels}{options}, jax {jax.__version__}, "
-          f"target NVIDIA H200 (deviceless, memory limit as at XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction})")
+    options = xla_label(model.options.compile.xla_options) + tuning_label(model.options.tuning, model.cfg, model.tp)
+    say(f"# aot_census: {args.model}, tp {args.tp}, kernels {model.kernels}{options}, jax {jax.__version__}, target "
+        f"NVIDIA H200 (deviceless, memory limit as at XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction})")
     texts = []
     for name, fn, fargs in programs:
         t0 = time.perf_counter()
         with jax.sharding.use_abstract_mesh(abstract_mesh(args.tp, sharding.AXIS)):
             lowered = fn.trace(*fargs).lower(lowering_platforms=("cuda",))
         text = lowered.compile().as_text()
-        print(f"{name}: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        progress(f"{name}: compiled in {time.perf_counter() - t0:.0f} s")
         if args.hlo_out:
             Path(args.hlo_out).mkdir(parents=True, exist_ok=True)
             (Path(args.hlo_out) / f"{name.split(',')[0].replace(' ', '_').replace('=', '')}.hlo.txt").write_text(text)
@@ -199,19 +170,52 @@ def compile_programs(args, devices) -> list[tuple[str, str]]:
     return texts
 
 
-def print_census(texts):
+def census(texts, say) -> None:
     """The launch count of each (name, optimised HLO text), then its launches by kind and by scope."""
     rows = [(name, launch_summary(text), launches(text)) for name, text in texts]
-    print("\n| program | launches (step_bench's count, loop bodies once) |\n|---|---|")
+    say()
+    say.table("program", "launches (step_bench's count, loop bodies once)")
     for name, n, _ in rows:
-        print(f"| {name} | {n} |")
+        say.row(name, n)
     for name, _, found in rows:
-        print(f"\n{name}, by kind:\n\n" + table("kind", collections.Counter(op for op, _ in found)))
+        say()
+        say(f"{name}, by kind:")
+        say()
+        count_table(say, "kind", collections.Counter(op for op, _ in found))
         layers = collections.Counter(layer for _, (layer, _) in found if layer)
         scopes = collections.Counter(f"{layer.split('_', 1)[1]} / {scope}" for _, (layer, scope) in found if layer)
-        print(f"\n{name}, by scope, summed over {len(layers)} layers ({sum(layers.values())} launches; "
-              f"{sum(1 for _, (layer, _) in found if not layer)} outside the layers):\n\n"
-              + table("layer kind / scope", scopes))
+        say()
+        say(f"{name}, by scope, summed over {len(layers)} layers ({sum(layers.values())} launches; "
+            f"{sum(1 for _, (layer, _) in found if not layer)} outside the layers):")
+        say()
+        count_table(say, "layer kind / scope", scopes)
+
+
+def main(argv=None):
+    ap = parser(__doc__)
+    add_options(ap, "model", "tp", "xla_option", "kernel_option", "out", model="flash", tp=2)
+    ap.add_argument("--kernels", default="pallas", choices=("pallas", "xla"))
+    ap.add_argument("--steps", type=int, default=3, help="NEXTN drafts per round (verify width S+1)")
+    ap.add_argument("--rounds-per-call", type=int, default=4)
+    ap.add_argument("--capacity", type=int, default=9216, help="cache positions (the serving bench's 8192 + 1024)")
+    ap.add_argument("--mem-fraction", type=float, default=0.91,
+                    help="XLA_PYTHON_CLIENT_MEM_FRACTION of the run being modelled")
+    ap.add_argument("--hlo-out", default=None, help="write each program's optimised HLO here")
+    ap.add_argument("--from-hlo", nargs="+", default=None,
+                    help="census of these optimised HLO files instead (--hlo-out's, or step_bench --profile's .gz)")
+    args = ap.parse_args(argv)
+    say = Report(args.out)
+    if args.from_hlo:
+        say(f"# aot_census of saved HLO: {', '.join(args.from_hlo)}")
+        census([(path, (gzip.open(path, "rt") if path.endswith(".gz") else open(path)).read())
+                for path in args.from_hlo], say)
+        return
+    devices = target_devices(args.tp, args.mem_fraction)
+    from lingjax import target
+
+    with target.compile_for("gpu", devices):  # lingjax's GPU paths (module docstring)
+        texts = compile_programs(args, devices, say)
+    census(texts, say)
 
 
 if __name__ == "__main__":

@@ -1,31 +1,27 @@
 """Where a T = 1 MoE layer's time goes, program by program: in-kernel timestamps on the GPU.
 
-The profiler gives each launch's span; this gives its programs'. Each probed launch (the router's GEMV, the
-decode's up kernel, the down kernel) gets one more output holding, per program, its SM and (%globaltimer,
-%clock) at its start (before griddepcontrol.wait), after the wait, after the routed up programs' expert
-selection (moe_router.token_expert) and at its end (after a CTA barrier: every thread's stores issued).
-bench/moe_bench.py's 8 cold Flash-size layers run chained, as the model runs them (each input depends on the
-previous layer's output; independent layers let XLA launch all the GEMVs first). It prints, per launch and
-program group, the spread of starts, selections and ends in µs from the layer's first GEMV program, and each
-program's phases from its SM clock: medians over layers 1-6 and 6 runs; then the layers' period (first GEMV
-program to the next layer's) against the layer's byte floor at a read probe's bandwidth measured in the same run.
+    python bench/kernel_stamps.py --out stamps.md     # Flash's layer at TP1 (I = 768)
+    python bench/kernel_stamps.py --tp 2              # a TP2 device's expert width (I = 384)
+    python bench/kernel_stamps.py --smoke             # tiny preset, interpret mode (every stamp reads 0): a CPU check
 
-    python bench/kernel_stamps.py                 # Flash's experts at TP1 (I = 768)
-    python bench/kernel_stamps.py --i-dim 384     # a TP2 device's expert width
-    python bench/kernel_stamps.py --smoke         # tiny dims in interpret mode (every stamp reads 0): a CPU check
+The profiler gives each launch's span; this gives its programs'. Through lingjax.pallas.instrumented, each probed
+launch (the router's GEMV, the decode's up kernel, the down kernel) gets one more output holding, per program, its
+SM and (%globaltimer, %clock) at its start (before griddepcontrol.wait), after the wait, after the routed up
+programs' expert selection (the up kernel's `selected` hook) and at its end (after a CTA barrier: every thread's
+stores issued). bench/moe_bench.py's 8 cold layers run chained, as the model runs them (each input depends on the
+previous layer's output; independent layers let XLA launch all the GEMVs first). It prints, per launch and program
+group, the spread of starts, selections and ends in µs from the layer's first GEMV program, and each program's
+phases from its SM clock: medians over layers 1-6 and --runs runs; then the layers' period (first GEMV program to
+the next layer's) against the layer's byte floor at a read probe's bandwidth measured in the same run.
 
-%globaltimer ticks every 32 ns on the H200. A probe adds a barrier and a few stores a program; the probed
-layer's output is checked bit-equal to the unprobed one's. Results: bench/results/moe_h200_2026-12-01_run6.md,
-run7 (the period).
+%globaltimer ticks every 32 ns on the H200. A probe adds a barrier and a few stores a program; the probed layer's
+output is checked bit-equal to the unprobed one's (exit status 1 if not).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import math
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,15 +35,13 @@ from jax._src.pallas.triton import primitives as triton_primitives
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import lingjax.pallas.moe_experts as moe_experts  # noqa: E402
-import lingjax.pallas.moe_router as moe_router  # noqa: E402
-from lingjax import target  # noqa: E402
-from lingjax.pallas.grid_dependency import wait_p  # noqa: E402
-from lingjax.runtime import step_compiler_options  # noqa: E402
-from measure import read_bandwidth  # noqa: E402
-from moe_bench import FLASH_DIMS, LIMIT, ROUTING, SHARED_LIMIT, layer_bytes, make_layer  # noqa: E402
+import lingjax.pallas
+from common import Report, add_options, config_of, heading, moe_layer_bytes, moe_shape, parser, read_bandwidth
+from lingjax import target
+from lingjax.pallas import moe_experts
+from lingjax.pallas.grid_dependency import wait_p
+from lingjax.runtime import step_compiler_options
+from moe_bench import make_layer
 
 PROBED = ("moe_router_gemv", "moe_up_select", "moe_down_combine")
 # a program's row of the extra output: (globaltimer, clock) pairs after its SM id
@@ -93,68 +87,56 @@ def _store(ts_ref, pid, first, values):
     ts_ref[pl.ds(pid, 1), pl.ds(first, len(values))] = row
 
 
-class Probe:
-    """Patches the modules' pallas_call so the launches named in PROBED carry a stamp table each, and the
-    decode's selection a stamp after it; `tables` collects (name, table) as the kernels are traced."""
+class Probe(lingjax.pallas.Instrument):
+    """The instrument of lingjax.pallas.instrumented: the launches named in PROBED carry a stamp table each, and the
+    decode's selection a stamp after it; `tables` collects (name, table) as the kernels are traced. Every other launch
+    is the default instrument's."""
 
     def __init__(self):
         self.tables, self._at = [], None
 
-    def pallas_call(self, original):
-        def call(kernel, *, out_shape, grid, name=None, **kw):
-            if name not in PROBED:
-                return original(kernel, out_shape=out_shape, grid=grid, name=name, **kw)
-            single = not isinstance(out_shape, (list, tuple))
-            shapes = [out_shape] if single else list(out_shape)
-            table = jax.ShapeDtypeStruct((math.prod(grid), len(COLUMNS)), jnp.int32)
+    def launch(self, kernel, *, out_shape, grid, name=None, **kw):
+        if name not in PROBED:
+            return super().launch(kernel, out_shape=out_shape, grid=grid, name=name, **kw)
+        single = not isinstance(out_shape, (list, tuple))
+        shapes = [out_shape] if single else list(out_shape)
+        table = jax.ShapeDtypeStruct((math.prod(grid), len(COLUMNS)), jnp.int32)
 
-            def body(*refs):
-                ts_ref, pid = refs[-1], 0
-                for axis, size in enumerate(grid):
-                    pid = pid * size + pl.program_id(axis)
-                start_g, start_c, sm = stamp(pid)
-                wait_p.bind()  # the wait lingjax.pallas.pallas_call puts first, here between two stamps
-                wait_g, wait_c, _ = stamp(pid)
-                self._at = (ts_ref, pid)
-                kernel(*refs[:-1])
-                self._at = None
-                if not kw.get("interpret"):
-                    pltriton.debug_barrier()  # every thread's stores issued before the end stamp
-                end_g, end_c, _ = stamp(pid)
-                _store(ts_ref, pid, 0, (sm, start_g, start_c, wait_g, wait_c, end_g, end_c, 0))
+        def body(*refs):
+            ts_ref, pid = refs[-1], 0
+            for axis, size in enumerate(grid):
+                pid = pid * size + pl.program_id(axis)
+            start_g, start_c, sm = stamp(pid)
+            wait_p.bind()  # the wait the default launch puts first (after_producers), here between two stamps
+            wait_g, wait_c, _ = stamp(pid)
+            self._at = (ts_ref, pid)
+            kernel(*refs[:-1])
+            self._at = None
+            if not kw.get("interpret"):
+                pltriton.debug_barrier()  # every thread's stores issued before the end stamp
+            end_g, end_c, _ = stamp(pid)
+            _store(ts_ref, pid, 0, (sm, start_g, start_c, wait_g, wait_c, end_g, end_c, 0))
 
-            launch = pl.pallas_call(body, out_shape=shapes + [table], grid=grid, name=name, **kw)
+        launch = pl.pallas_call(body, out_shape=shapes + [table], grid=grid, name=name, **kw)
 
-            def run(*args):
-                *outs, ts = launch(*args)
-                self.tables.append((name, ts))
-                return outs[0] if single else outs
-            return run
-        return call
+        def run(*args):
+            *outs, ts = launch(*args)
+            self.tables.append((name, ts))
+            return outs[0] if single else outs
 
-    def token_expert(self, original):
-        def select(*args, **kw):
-            expert = original(*args, **kw)
-            if self._at is not None:  # stored here: the selection runs inside a pl.when branch it cannot leave
-                ts_ref, pid = self._at
-                g, c, _ = stamp(expert)
-                _store(ts_ref, pid, COL["select_g"], (g, c))
-            return expert
-        return select
+        return run
 
-    @contextlib.contextmanager
-    def installed(self):
-        saved = (moe_experts.pallas_call, moe_router.pallas_call, moe_experts.token_expert)
-        moe_experts.pallas_call = self.pallas_call(saved[0])
-        moe_router.pallas_call = self.pallas_call(saved[1])
-        moe_experts.token_expert = self.token_expert(saved[2])
-        try:
-            yield self
-        finally:
-            moe_experts.pallas_call, moe_router.pallas_call, moe_experts.token_expert = saved
+    def selected(self, expert):
+        """The up kernel's selected expert, stamped (stored here: the selection runs inside a pl.when branch it
+        cannot leave)."""
+        if self._at is not None:
+            ts_ref, pid = self._at
+            g, c, _ = stamp(expert)
+            _store(ts_ref, pid, COL["select_g"], (g, c))
+        return expert
 
 
-def chained_layers(layers, xs, interpret, probe=None):
+def chained_layers(layers, xs, shape, interpret, probe=None):
     """Runs the T = 1 layers chained (each input + 1e-30 x the previous output): (outputs, stamp tables per layer)."""
     routed = moe_experts.routed_experts.__wrapped__  # unjitted: the probe's tables leave through this jit
 
@@ -165,8 +147,9 @@ def chained_layers(layers, xs, interpret, probe=None):
                 x = (x.astype(jnp.float32) + 1e-30 * outs[-1]).astype(x.dtype)
             if probe is not None:
                 probe.tables.clear()
-            outs.append(routed(x, p["router"], p["bias"], p["wg"], p["wu"], p["wd"], LIMIT, **ROUTING,
-                               shared=(p["sg"], p["su"], p["sd"]), shared_limit=SHARED_LIMIT, interpret=interpret))
+            outs.append(routed(x, p["router"], p["bias"], p["wg"], p["wu"], p["wd"], shape.limit, **shape.routing,
+                               shared=(p["sg"], p["su"], p["sd"]), shared_limit=shape.shared_limit,
+                               interpret=interpret))
             tables.append(dict(probe.tables) if probe is not None else {})
         return outs, tables
 
@@ -238,46 +221,54 @@ def clock_ghz(runs):
     return float(np.median(rates)) if rates else 1.0
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--i-dim", type=int, default=FLASH_DIMS["i"], help="expert width (768: TP1, 384: TP2)")
-    ap.add_argument("--runs", type=int, default=6)
-    ap.add_argument("--smoke", action="store_true", help="tiny dims, interpret mode, for a CPU check")
-    args = ap.parse_args(argv)
-    d, i, e = (64, 32, 64) if args.smoke else (FLASH_DIMS["d"], args.i_dim, FLASH_DIMS["e"])
-    n_layers = 3 if args.smoke else 8
-    interpret = args.smoke or target.platform() != "gpu"
-    layers = [make_layer(jax.random.key(10 + l), d, i, e) for l in range(n_layers)]
-    xs = [jax.random.normal(jax.random.key(500 + l), (1, d), jnp.float32).astype(jnp.bfloat16) for l in range(n_layers)]
-    want, _ = chained_layers(layers, xs, interpret)(layers, xs)
-    probe = Probe()
-    with probe.installed():
-        probed = chained_layers(layers, xs, interpret, probe)
-        got, _ = probed(layers, xs)
-        runs = [jax.device_get(probed(layers, xs)[1]) for _ in range(1 if args.smoke else args.runs)]
-    same = all(bool((np.asarray(a) == np.asarray(b)).all()) for a, b in zip(got, want))
-    print(f"# T = 1 MoE layer stamps: D {d}, I {i}, E {e}, {n_layers} layers chained, "
-          f"{'interpret mode' if interpret else jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print(f"probed output bit-equal to the unprobed: {same}")
+def report(say, runs, shape, n_layers, bw) -> None:
+    """The phase table by launch and program group, then the layer period against the byte floor."""
     ghz = clock_ghz(runs)
-    tiles = i // moe_experts.one_token_tiles(i)["bn_up"]
-    table = phases(runs, ROUTING["top_k"] * tiles, ghz)
-    print(f"SM clock {ghz:.2f} GHz (against globaltimer); µs from the layer's first GEMV program, medians over "
-          f"layers 1-{n_layers - 2} and {len(runs)} runs\n")
+    tiles = shape.i // moe_experts.one_token_tiles(shape.i).bn_up
+    table = phases(runs, shape.routing["top_k"] * tiles, ghz)
+    say(f"SM clock {ghz:.2f} GHz (against globaltimer); µs from the layer's first GEMV program, medians over layers "
+        f"1-{n_layers - 2} and {len(runs)} runs")
     keys = sorted(table, key=lambda k: (PROBED.index(k[0]), k[1] != "routed"))  # launch order
-    print("| | " + " | ".join(f"{name} ({group})" for name, group in keys) + " |")
-    print("|---|" + "---|" * len(keys))
+    say.table("", *(f"{name} ({group})" for name, group in keys))
     points = [f"{p} {s}" for p in ("start", "wait", "select", "end") for s in ("min", "median", "max")]
     spans = [f"{p} µs {s}" for p in ("wait", "select", "stream", "work") for s in ("median", "max")]
     for r in ["programs", "SMs"] + points + spans:
         fmt = (lambda v: f"{v:.0f}") if r in ("programs", "SMs") else (lambda v: f"{v:.2f}")
-        print(f"| {r} | " + " | ".join(fmt(np.median(table[k][r])) if r in table[k] else "" for k in keys) + " |")
-    nbytes = layer_bytes(ROUTING["top_k"], d, i, e)  # T = 1 touches top_k distinct experts
-    bw = max(read_bandwidth(1 << 19) if interpret else read_bandwidth() for _ in range(2))
+        say.row(r, *(fmt(np.median(table[k][r])) if r in table[k] else "" for k in keys))
+    nbytes = moe_layer_bytes(shape, shape.routing["top_k"])  # T = 1 touches top_k distinct experts
     period = float(np.median(periods(runs)))
-    print(f"\nlayer period (first GEMV program to the next layer's): median {period:.2f} µs = "
-          f"{period / (nbytes / bw * 1e6):.2f}x its byte floor ({nbytes / 1e6:.1f} MB at the read probe's "
-          f"{bw / 1e12:.2f} TB/s, the larger of two)")
+    say()
+    say(f"layer period (first GEMV program to the next layer's): median {period:.2f} µs = "
+        f"{period / (nbytes / bw * 1e6):.2f}x its byte floor ({nbytes / 1e6:.1f} MB at the read probe's "
+        f"{bw / 1e12:.2f} TB/s, the larger of two)")
+
+
+def main(argv=None):
+    ap = parser(__doc__)
+    add_options(ap, "model", "tp", "smoke", "out", model="flash")
+    ap.add_argument("--runs", type=int, default=6)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.model, args.runs = "tiny", 1
+    shape = moe_shape(config_of(args.model), args.tp)
+    n_layers = 3 if args.smoke else 8
+    interpret = args.smoke or target.platform() != "gpu"
+    layers = [make_layer(jax.random.key(10 + l), shape) for l in range(n_layers)]
+    xs = [jax.random.normal(jax.random.key(500 + l), (1, shape.d), jnp.float32).astype(jnp.bfloat16)
+          for l in range(n_layers)]
+    want, _ = chained_layers(layers, xs, shape, interpret)(layers, xs)
+    probe = Probe()
+    with lingjax.pallas.instrumented(probe):
+        probed = chained_layers(layers, xs, shape, interpret, probe)
+        got, _ = probed(layers, xs)
+        runs = [jax.device_get(probed(layers, xs)[1]) for _ in range(args.runs)]
+    same = all(bool((np.asarray(a) == np.asarray(b)).all()) for a, b in zip(got, want))
+    say = Report(args.out)
+    heading(say, f"T = 1 MoE layer stamps: {args.model} at TP{args.tp} (D {shape.d}, I {shape.i}, E {shape.e}), "
+                 f"{n_layers} layers chained{', interpret mode' if interpret else ''}")
+    say(f"probed output bit-equal to the unprobed: {same}")
+    bw = max(read_bandwidth(1 << 19) if interpret else read_bandwidth() for _ in range(2))
+    report(say, runs, shape, n_layers, bw)
     return 0 if same else 1
 
 

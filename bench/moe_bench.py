@@ -1,71 +1,67 @@
-"""One Flash-size MoE layer (D=2560, I=768, E=512, top-8, 8 groups / top-4, shared 768) on one GPU.
+"""One MoE layer of a preset (Flash's by default: D 2560, I 768, 512 experts, top-8) on one GPU: correctness,
+router tunings, whole layers against their byte floor, expert tiles.
 
-In one process: (1) correctness of the Pallas router, align and experts against lingjax.ops.moe on the GPU; (2) the
-bandwidth every byte floor below uses, the fastest of a read probe (twice) and two copies; (3) the router variants
-(ROUTERS) alone and router + the align launch the expert kernels need at T > 1, at T in {1, 6, 16}, each checked
-against the reference; (4) whole MoE layers: plain XLA (ops.moe route + experts_gathered + mlp), the previous
-Pallas path (LEGACY bf16 router, shared expert fused into the expert kernels), the two-launch router (the f32 router
-with default options) + fused_experts (which makes its own align plan, shared fused), the model's path (routed_experts
-as lingjax.model.MoE calls it: at T = 1 the up kernel routes the token, above T = 1 the two-launch path), the
-model path again with its loop compiled as the step programs are (lingjax.runtime.step_compiler_options: command
-buffers around the loop, programmatic dependent launch), and with those options but PDL off, and the
-model path's kernels one by one (profiled); (5) fused_experts' tiles in the two-launch layer: the up and down
-kernels' profiled times per tile pair at T in {1, 4, 6}, at I = 768 and at a TP2 device's I = 384, and each pair's
-rows checked bit-equal to the default's (row invariance).
+    python bench/moe_bench.py --out moe.md             # Flash's layer at TP1
+    python bench/moe_bench.py --tp 2 --out moe_tp2.md  # one TP2 device's share (I = 384)
+    python bench/moe_bench.py --smoke                  # tiny preset, interpret mode: a CPU check
 
-Timing is in-graph: a jitted fori_loop over 8 layers whose weights are distinct arrays (24 GB, so L2 never
-holds them), medians over repeated calls. Each layer's input is a fixed random x plus 1e-30 × the previous
-layer's output (bit-identical after rounding, but not loop-invariant), so routing is fixed per layer and
-the distinct-expert count of the floor is exact: floor = (distinct + shared) × 11.80 MB + router 2.62 MB, over
-the larger of the bandwidth probes and the fastest rate any timed layer read its own bytes at (a probe can
-read slower than the layers stream; a floor must not be beaten).
+In one process: (1) correctness of the Pallas router, align and experts against lingjax.ops.moe on this device;
+(2) the bandwidth the byte floors use, the fastest of a read probe (twice) and two copies; (3) the router at each
+of ROUTERS (RouterTuning values) alone, and with the align launch the expert kernels need at T > 1, at T in {1, 6,
+16}, each checked against the reference; (4) whole MoE layers: plain XLA (ops.moe route + experts_gathered + mlp),
+the two-launch Pallas layer (route + fused_experts, which makes its own align plan; shared expert fused), the
+model's path (routed_experts as lingjax.model.MoE calls it: at T = 1 the up kernel routes the token, no select
+launch; above T = 1 the two launches), the model path with its loop compiled as the step programs are
+(lingjax.runtime.step_compiler_options: command buffers around the loop, programmatic dependent launch) and with
+those options but PDL off, and the model path's kernels one by one (profiled); (5) fused_experts' tiles
+(TILES: ExpertTuning values) in the two-launch layer: the up and down kernels' profiled times at T in {1, 4, 6},
+at the layer's width and at half of it (a device at twice the TP), and each tiling's rows checked bit-equal to
+the default's (row invariance).
 
-    python bench/moe_bench.py --out results.md          # GPU
-    python bench/moe_bench.py --smoke                   # CPU, tiny dims, interpret mode (script check)
+Timing is in-graph: a jitted fori_loop over 8 layers whose weights are distinct arrays (Flash's: 24 GB, so L2 never
+holds them), medians over repeated calls. Each layer's input is a fixed random x plus 1e-30 × the previous layer's
+output (bit-identical after rounding, but not loop-invariant), so routing is fixed per layer and the distinct-expert
+count of the floor is exact: floor = the distinct and shared experts' weights and the router weight
+(common.moe_layer_bytes), over the larger of the bandwidth probes and the fastest rate any timed layer read its own
+bytes at (a probe can read slower than the layers stream; a floor must not be beaten).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import datetime
+import dataclasses
 import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from common import (MoEShape, Report, add_options, config_of, copy_bandwidth, heading, median_seconds, moe_layer_bytes,
+                    moe_shape, parser, read_bandwidth, rel)
 from lingjax import profiling, target
 from lingjax.ops import moe as moe_ops
 from lingjax.pallas.moe_align import BLOCK_M, align_reference, moe_align
-from lingjax.pallas.moe_experts import fused_experts, routed_experts
-from lingjax.pallas.moe_router import LEGACY, route
-from lingjax.runtime import step_compiler_options
-from measure import median_seconds, read_bandwidth, rel  # bench/measure.py, beside this script
-from report import Report  # bench/report.py, beside this script
+from lingjax.pallas.moe_experts import ExpertTuning, fused_experts, routed_experts
+from lingjax.pallas.moe_router import RouterTuning, route
+from lingjax.runtime import CompileOptions, step_compiler_options
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-LIMIT, SHARED_LIMIT = 4.0, 5.0  # the Flash clamps of the late layers (ling3_architecture.md §6.3)
-FLASH_DIMS = dict(d=2560, i=768, e=512)  # hidden, expert intermediate, experts
-ROUTING = dict(top_k=8, n_group=8, topk_group=4, scaling=2.5, renormalize=True)  # Flash's noaux_tc routing
-ROUTERS = {  # name -> route() options; "legacy" is the first version, the rest the vector select kernel
-    "legacy": dict(LEGACY),
-    "default": {},  # K split 10 of 256, be 16, 4 select warps per token
-    "ks=2 bk=256": dict(k_splits=2, bk=256),
-    "ks=5 bk=512": dict(k_splits=5, bk=512),  # the default before 2026-12-01's run4
-    "be=32": dict(be=32),
-    "select 1 warp": dict(select_warps=1),
-    "select 2 warps": dict(select_warps=2),
+ROUTERS = {  # label -> (RouterTuning fields, precision)
+    "default": ({}, "f32"),
+    "ks=2 bk=256": (dict(k_splits=2, bk=256), "f32"),
+    "ks=5 bk=512": (dict(k_splits=5, bk=512), "f32"),
+    "be=32": (dict(be=32), "f32"),
+    "select 1 warp": (dict(select_warps=1), "f32"),
+    "select 2 warps": (dict(select_warps=2), "f32"),
+    "default, bf16 precision": ({}, "bf16"),
 }
-
-# (up, down) tile pairs of the sweep, the first the defaults; the rest each the best of a wider sweep at some
-# T or width (bench/results/moe_h200_2026-12-01.md), or the previous defaults (32 x 256 / 64 x 256). The up
-# tiles 32 x 256 and 64 x 256 at 3 stages are also the decode's (moe_experts.one_token_tiles at TP2's and TP1's
-# width): the sweep's bit check holds their T = 1 rows to the default tiles' T = 6 rows (row invariance)
-UP_TILES = [{}, dict(bn_up=32, bk_up=256, stages_up=3), dict(bn_up=64, bk_up=128, stages_up=4),
-            dict(bn_up=64, bk_up=256, stages_up=3), dict(bn_up=16, bk_up=256, stages_up=4)]
-DOWN_TILES = [{}, dict(bn_down=64, bk_down=256, stages_down=3), dict(bn_down=64, bk_down=128, stages_down=4),
-              dict(bn_down=128, bk_down=128, stages_down=3), dict(bn_down=32, bk_down=128, stages_down=4)]
+# (up, down) ExpertTuning fields of the tile sweep, the first the defaults; the up tiles 32 x 256 and 64 x 256 at 3
+# stages are also the decode's (moe_experts.one_token_tiles at half and at full Flash width): the sweep's bit check
+# holds their T = 1 rows to the default tiles' T = 6 rows (row invariance)
+TILES = [({}, {}), (dict(bn_up=32, bk_up=256, stages_up=3), dict(bn_down=64, bk_down=256, stages_down=3)),
+         (dict(bn_up=64, bk_up=128, stages_up=4), dict(bn_down=64, bk_down=128, stages_down=4)),
+         (dict(bn_up=64, bk_up=256, stages_up=3), dict(bn_down=128, bk_down=128, stages_down=3)),
+         (dict(bn_up=16, bk_up=256, stages_up=4), dict(bn_down=32, bk_down=128, stages_down=4))]
 
 
 def kernel_us(fn, *args) -> dict:
@@ -77,40 +73,39 @@ def kernel_us(fn, *args) -> dict:
     return {name: statistics.median(v) for name, v in per.items()}
 
 
-def layer_bytes(distinct, d, i, e):
-    """A layer's byte floor: the distinct routed experts and the shared one (gate, up, down) and the router
-    weight, in bf16."""
-    return ((distinct + 1) * 3 * i * d + e * d) * jnp.dtype(BF16).itemsize
-
-
-def make_layer(key, d, i, e):
+def make_layer(key, shape: MoEShape):
+    """One layer's random weights (router, bias, routed gate/up/down, shared gate/up/down) at `shape`."""
+    d, i, e, s = shape.d, shape.i, shape.e, shape.shared
     ks = jax.random.split(key, 8)
-    w = lambda k, shape, fan_in: (jax.random.normal(k, shape, BF16) * fan_in**-0.5).astype(BF16)
+    w = lambda k, size, fan_in: (jax.random.normal(k, size, BF16) * fan_in**-0.5).astype(BF16)
     return dict(router=w(ks[0], (e, d), d), bias=0.1 * jax.random.normal(ks[1], (e,), F32),
                 wg=w(ks[2], (e, i, d), d), wu=w(ks[3], (e, i, d), d), wd=w(ks[4], (e, d, i), i),
-                sg=w(ks[5], (i, d), d), su=w(ks[6], (i, d), d), sd=w(ks[7], (d, i), i))
+                sg=w(ks[5], (s, d), d), su=w(ks[6], (s, d), d), sd=w(ks[7], (d, s), s))
 
 
-def xla_layer(x, p, cfg):
-    weights, experts = moe_ops.route(x, p["router"], p["bias"], **cfg)
-    y = moe_ops.experts_gathered(x, p["wg"], p["wu"], p["wd"], weights, experts, LIMIT)
-    return (y + moe_ops.mlp(x, p["sg"], p["su"], p["sd"], SHARED_LIMIT)).astype(x.dtype)
+def xla_layer(x, p, shape: MoEShape):
+    weights, experts = moe_ops.route(x, p["router"], p["bias"], **shape.routing)
+    y = moe_ops.experts_gathered(x, p["wg"], p["wu"], p["wd"], weights, experts, shape.limit)
+    return (y + moe_ops.mlp(x, p["sg"], p["su"], p["sd"], shape.shared_limit)).astype(x.dtype)
 
 
-def pallas_layer(x, p, cfg, router, precision="f32", tiles=None, interpret=None, dtype=None):
-    """The Pallas layer with the shared expert fused into the expert kernels (as the model runs it); fused_experts
-    makes its own align plan (an align launch at T > 1, none at T = 1). Rounded to `dtype` (default x's)."""
-    weights, experts = route(x, p["router"], p["bias"], precision=precision, interpret=interpret, **cfg, **router)
-    y = fused_experts(x, p["wg"], p["wu"], p["wd"], weights, experts, LIMIT, shared=(p["sg"], p["su"], p["sd"]),
-                      shared_limit=SHARED_LIMIT, interpret=interpret, **(tiles or {}))
+def pallas_layer(x, p, shape: MoEShape, router: RouterTuning = RouterTuning(), experts: ExpertTuning = ExpertTuning(),
+                 precision="f32", dtype=None):
+    """The two-launch Pallas layer (route, then fused_experts with the shared expert fused, as the model runs it
+    above T = 1); fused_experts makes its own align plan (an align launch at T > 1, none at T = 1). Rounded to
+    `dtype` (default x's)."""
+    weights, ids = route(x, p["router"], p["bias"], precision=precision, **shape.routing, tuning=router)
+    y = fused_experts(x, p["wg"], p["wu"], p["wd"], weights, ids, shape.limit, shared=(p["sg"], p["su"], p["sd"]),
+                      shared_limit=shape.shared_limit, tuning=experts)
     return y.astype(dtype or x.dtype)
 
 
-def model_layer(x, p, cfg, dtype=None):
-    """The layer as lingjax.model.MoE runs it: routed_experts (at T = 1 the up kernel routes the token, no
-    select launch; above, the default router then fused_experts), the shared expert fused."""
-    y = routed_experts(x, p["router"], p["bias"], p["wg"], p["wu"], p["wd"], LIMIT, **cfg,
-                       shared=(p["sg"], p["su"], p["sd"]), shared_limit=SHARED_LIMIT)
+def model_layer(x, p, shape: MoEShape, tuning: ExpertTuning | None = None, dtype=None):
+    """The layer as lingjax.model.MoE runs it: routed_experts (at T = 1 the up kernel routes the token, no select
+    launch; above, the default router then fused_experts), the shared expert fused; `tuning` the expert launches'
+    (None: the kernel's choice by T)."""
+    y = routed_experts(x, p["router"], p["bias"], p["wg"], p["wu"], p["wd"], shape.limit, **shape.routing,
+                       shared=(p["sg"], p["su"], p["sd"]), shared_limit=shape.shared_limit, tuning=tuning)
     return y.astype(dtype or x.dtype)
 
 
@@ -128,202 +123,227 @@ def loop_over_layers(layer_fn, n_iter, compiler_options=None):
     return jax.jit(run, compiler_options=compiler_options)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true", help="tiny dims, interpret mode, for a CPU check")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    smoke = args.smoke
-    d, i, e = (64, 32, 64) if smoke else (FLASH_DIMS["d"], FLASH_DIMS["i"], FLASH_DIMS["e"])
-    n_layers = 2 if smoke else 8
-    cfg = ROUTING
-    ts = (1, 6) if smoke else (1, 6, 16)
-    ts_all = (1, 6, 16)  # the router section is cheap: T = 16 (NP past the pair-axis align) in the smoke run too
-    n_iter, reps = (1, 1) if smoke else (30, 7)
-    fails = []
-    say = Report(args.out)
+@dataclasses.dataclass
+class Run:
+    """The settings of one run and what it found."""
 
-    dev = jax.devices()[0]
-    say(f"# MoE layer on {dev.device_kind} ({jax.default_backend()})")
-    say(f"date {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, jax {jax.__version__}")
-    say(f"command: python bench/moe_bench.py{' --smoke' if smoke else ''}")
+    shape: MoEShape
+    smoke: bool
+    say: Report
+    n_layers: int
+    ts: tuple
+    n_iter: int
+    reps: int
+    fails: list = dataclasses.field(default_factory=list)
 
-    # (1) correctness on this device
+    def inputs(self, seed: int, t: int, shape: MoEShape | None = None):
+        """One random bf16 x [t, D] per layer."""
+        d = (shape or self.shape).d
+        return [jax.random.normal(jax.random.key(seed + 10 * t + l), (t, d), F32).astype(BF16)
+                for l in range(self.n_layers)]
+
+    def check(self, ok: bool, name: str) -> str:
+        self.fails += [] if ok else [name]
+        return "PASS" if ok else "FAIL"
+
+
+def correctness(run: Run) -> None:
+    """(1): the router, experts and align against lingjax.ops.moe, in f32 at small sizes and in bf16 at the layer's."""
+    say, shape = run.say, run.shape
     say("\n## correctness")
-    small = dict(d=256, i=128, e=32) if not smoke else dict(d=64, i=32, e=16)
-    for t in sorted(set(ts + (16,))):
+    small = dataclasses.replace(shape, d=64, i=32, e=16, shared=32) if run.smoke else \
+        dataclasses.replace(shape, d=256, i=128, e=32, shared=128)
+    routing_s = dict(shape.routing, n_group=4, topk_group=2)
+    for t in sorted(set(run.ts + (16,))):
         ks = jax.random.split(jax.random.key(100 + t), 4)
-        p32 = jax.tree.map(lambda a: a.astype(F32), make_layer(ks[0], small["d"], small["i"], small["e"]))
-        x = jax.random.normal(ks[1], (t, small["d"]), F32)
-        cfg_s = dict(cfg, n_group=4, topk_group=2)
+        p32 = jax.tree.map(lambda a: a.astype(F32), make_layer(ks[0], small))
+        x = jax.random.normal(ks[1], (t, small.d), F32)
         with jax.default_matmul_precision("highest"):
-            rw, re = moe_ops.route(x, p32["router"], p32["bias"], **cfg_s)
-            ref = moe_ops.experts_gathered(x, p32["wg"], p32["wu"], p32["wd"], rw, re, LIMIT)
-        gw, ge = route(x, p32["router"], p32["bias"], **cfg_s)
-        got = fused_experts(x, p32["wg"], p32["wu"], p32["wd"], rw, re, LIMIT)
+            rw, re = moe_ops.route(x, p32["router"], p32["bias"], **routing_s)
+            ref = moe_ops.experts_gathered(x, p32["wg"], p32["wu"], p32["wd"], rw, re, shape.limit)
+        gw, ge = route(x, p32["router"], p32["bias"], **routing_s)
+        got = fused_experts(x, p32["wg"], p32["wu"], p32["wd"], rw, re, shape.limit)
         ok = bool((ge == re).all()) and rel(gw, rw) < 1e-5 and rel(got, ref) < 1e-5
         say(f"f32 small T={t}: router ids equal {bool((ge == re).all())}, weights {rel(gw, rw):.1e}, "
-            f"experts {rel(got, ref):.1e} {'PASS' if ok else 'FAIL'}")
-        fails += [] if ok else [f"f32 T={t}"]
-    flash = make_layer(jax.random.key(0), d, i, e)
-    for t in sorted(set(ts + (16,))):
-        x = jax.random.normal(jax.random.key(200 + t), (t, d), F32).astype(BF16)
+            f"experts {rel(got, ref):.1e} {run.check(ok, f'f32 T={t}')}")
+    layer = make_layer(jax.random.key(0), shape)
+    for t in sorted(set(run.ts + (16,))):
+        x = jax.random.normal(jax.random.key(200 + t), (t, shape.d), F32).astype(BF16)
         with jax.default_matmul_precision("highest"):
-            rw, re = moe_ops.route(x, flash["router"], flash["bias"], **cfg)
-        ew = moe_ops.experts_gathered(x, flash["wg"], flash["wu"], flash["wd"], rw, re, LIMIT)
-        sh = moe_ops.mlp(x, flash["sg"], flash["su"], flash["sd"], SHARED_LIMIT)
-        gw, ge = route(x, flash["router"], flash["bias"], **cfg)
-        bw_, be_ = route(x, flash["router"], flash["bias"], precision="bf16", **cfg)
-        got = fused_experts(x, flash["wg"], flash["wu"], flash["wd"], rw, re, LIMIT)
-        fused = fused_experts(x, flash["wg"], flash["wu"], flash["wd"], rw, re, LIMIT,
-                              shared=(flash["sg"], flash["su"], flash["sd"]), shared_limit=SHARED_LIMIT)
-        routed = model_layer(x, flash, cfg, dtype=F32)
-        two = pallas_layer(x, flash, cfg, {}, dtype=F32)
-        agree = float(np.mean([len(set(a) & set(b)) / len(a) for a, b in zip(np.asarray(be_), np.asarray(re))]))
+            rw, re = moe_ops.route(x, layer["router"], layer["bias"], **shape.routing)
+        ew = moe_ops.experts_gathered(x, layer["wg"], layer["wu"], layer["wd"], rw, re, shape.limit)
+        sh = moe_ops.mlp(x, layer["sg"], layer["su"], layer["sd"], shape.shared_limit)
+        gw, ge = route(x, layer["router"], layer["bias"], **shape.routing)
+        be = route(x, layer["router"], layer["bias"], precision="bf16", **shape.routing)[1]
+        got = fused_experts(x, layer["wg"], layer["wu"], layer["wd"], rw, re, shape.limit)
+        fused = fused_experts(x, layer["wg"], layer["wu"], layer["wd"], rw, re, shape.limit,
+                              shared=(layer["sg"], layer["su"], layer["sd"]), shared_limit=shape.shared_limit)
+        routed = model_layer(x, layer, shape, dtype=F32)
+        two = pallas_layer(x, layer, shape, dtype=F32)
+        agree = float(np.mean([len(set(a) & set(b)) / len(a) for a, b in zip(np.asarray(be), np.asarray(re))]))
         same = bool((np.asarray(routed) == np.asarray(two)).all())
         ok = bool((ge == re).all()) and rel(got, ew) < 1e-2 and rel(fused, ew + sh) < 1e-2 and same
-        say(f"bf16 Flash T={t}: f32 router ids equal {bool((ge == re).all())} (weights {rel(gw, rw):.1e}), bf16 "
+        say(f"bf16 layer T={t}: f32 router ids equal {bool((ge == re).all())} (weights {rel(gw, rw):.1e}), bf16 "
             f"router id-set agreement {agree:.3f}, experts {rel(got, ew):.1e}, +shared fused "
-            f"{rel(fused, ew + sh):.1e}, routed_experts bit-equal to route + fused_experts {same} {'PASS' if ok else 'FAIL'}")
-        fails += [] if ok else [f"flash T={t}"]
-    for name, ex in [("random", jax.random.randint(jax.random.key(7), (8, 8), 0, e, jnp.int32)),
+            f"{rel(fused, ew + sh):.1e}, routed_experts bit-equal to route + fused_experts {same} "
+            f"{run.check(ok, f'layer T={t}')}")
+    for name, ex in [("random", jax.random.randint(jax.random.key(7), (8, 8), 0, shape.e, jnp.int32)),
                      ("one expert", jnp.full((8, 8), 5, jnp.int32)), ("NP=1", jnp.array([[3]], jnp.int32))]:
         got = moe_align(ex, block_m=16)
         want = align_reference(ex, 16, got[1].shape[0])
-        ok = all(bool((a == b).all()) for a, b in zip(got, want))
-        say(f"align {name}: {'PASS' if ok else 'FAIL'}")
-        fails += [] if ok else [f"align {name}"]
+        say(f"align {name}: {run.check(all(bool((a == b).all()) for a, b in zip(got, want)), f'align {name}')}")
 
-    # (2) bandwidth: a floor must not be beatable, so it takes the fastest of a read probe (measured twice,
-    # bench/measure.py) and two copies (read + write); the layer mostly reads weights
-    rates = {}
-    copy = jax.jit(lambda a: a * 1.5)
-    for dt in (BF16, F32):
-        big = jnp.ones(((2**20 if smoke else 2**32) // jnp.dtype(dt).itemsize,), dt)
-        rates[f"{jnp.dtype(dt).name} copy"] = 2 * big.nbytes / median_seconds(copy, big, reps=reps * 2)
-        del big
+
+def bandwidth(run: Run) -> float:
+    """(2): the fastest of two copies (read + write) and a read probe measured twice, in B/s."""
+    nbytes = 2**20 if run.smoke else 2**32
+    rates = {f"{jnp.dtype(dt).name} copy": copy_bandwidth(nbytes, dt, reps=run.reps * 2) for dt in (BF16, F32)}
     for n in (1, 2):
-        rates[f"bf16 read {n}"] = read_bandwidth(1 << 19) if smoke else read_bandwidth()
+        rates[f"bf16 read {n}"] = read_bandwidth(1 << 19) if run.smoke else read_bandwidth()
     bw = max(rates.values())
-    say(f"\nbandwidth ({'tiny' if smoke else '4 GiB'} arrays; copy: x*1.5, read: an f32 sum of bf16): " +
-        ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in rates.items())
-        + f"; floors use the largest, {bw / 1e12:.2f} TB/s")
-    layers = [make_layer(jax.random.key(10 + l), d, i, e) for l in range(n_layers)]
-    router_b = e * d * jnp.dtype(BF16).itemsize
+    run.say(f"\nbandwidth ({'tiny' if run.smoke else '4 GiB'} arrays; copy: x*1.5, read: an f32 sum of bf16): "
+            + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in rates.items())
+            + f"; floors use the largest, {bw / 1e12:.2f} TB/s")
+    return bw
 
-    # (3) router variants, alone and with the align launch (what the expert kernels need at T > 1), in-graph
-    say("\n## router variants (per layer, in-graph over %d layers; floor: router weight %.2f MB bf16 = %.2f µs)"
-        % (n_layers, router_b / 1e6, router_b / bw * 1e6))
-    say("f32 router on bf16 x and weight (the model's path); + align launch: moe_align on the router's ids, as "
-        "fused_experts runs it at T > 1 (pair-axis kernel for T·k ≤ 64; T = 16 takes the sort fallback); none at "
-        "T = 1; ids vs ops.moe.route")
-    say("| T | variant | router µs | router + align launch µs | ids equal |")
-    say("|---|---|---|---|---|")
-    glue = loop_over_layers(lambda x, p: x, n_iter * 4)
-    best_router, glue_per_t = {}, {}
-    for t in ts_all:
-        xs = [jax.random.normal(jax.random.key(600 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
-        glue_s = glue_per_t[t] = median_seconds(glue, layers, xs, reps=reps) / (4 * n_iter * n_layers)
-        with jax.default_matmul_precision("highest"):
-            want = moe_ops.route(xs[0], layers[0]["router"], layers[0]["bias"], **cfg)[1]
-        for name, router in [(n, r) for n, r in ROUTERS.items()] + [("legacy bf16", dict(ROUTERS["legacy"]))]:
-            precision = "bf16" if name.endswith("bf16") else "f32"
-            same = bool((route(xs[0], layers[0]["router"], layers[0]["bias"], precision=precision, **cfg,
-                               **router)[1] == want).all())
-            alone = lambda x, p, r=router, pr=precision: (x.astype(F32) + 1e-30 * route(
-                x, p["router"], p["bias"], precision=pr, **cfg, **r)[0].sum()).astype(x.dtype)
 
-            def aligned(x, p, r=router, pr=precision):
-                weights, experts = route(x, p["router"], p["bias"], precision=pr, **cfg, **r)
+def routers(run: Run, layers, bw: float) -> dict:
+    """(3): each of ROUTERS alone and with the align launch, per layer, in-graph -> the loop's glue per layer by T."""
+    say, shape = run.say, run.shape
+    router_b = shape.e * shape.d * jnp.dtype(BF16).itemsize
+    say("\n## router tunings (per layer, in-graph over %d layers; floor: router weight %.2f MB bf16 = %.2f µs)"
+        % (run.n_layers, router_b / 1e6, router_b / bw * 1e6))
+    say("the router on bf16 x and weight (the model's path); + align launch: moe_align on the router's ids, as "
+        "fused_experts runs it at T > 1; none at T = 1; ids vs ops.moe.route at the same precision")
+    say.table("T", "tuning", "router µs", "router + align launch µs", "ids equal")
+    glue = loop_over_layers(lambda x, p: x, run.n_iter * 4)
+    glue_per_t, best = {}, {}
+    for t in (1, 6, 16):  # cheap: T = 16 (past the pair-axis align) in the smoke run too
+        xs = run.inputs(600, t)
+        glue_s = glue_per_t[t] = median_seconds(glue, layers, xs, reps=run.reps) / (4 * run.n_iter * run.n_layers)
+        for name, (fields, precision) in ROUTERS.items():
+            tuning = RouterTuning(**fields)
+            with jax.default_matmul_precision("highest"):
+                want = moe_ops.route(xs[0], layers[0]["router"], layers[0]["bias"], precision=precision,
+                                     **shape.routing)[1]
+            same = bool((route(xs[0], layers[0]["router"], layers[0]["bias"], precision=precision, **shape.routing,
+                               tuning=tuning)[1] == want).all())
+            alone = lambda x, p, r=tuning, pr=precision: (x.astype(F32) + 1e-30 * route(
+                x, p["router"], p["bias"], precision=pr, **shape.routing, tuning=r)[0].sum()).astype(x.dtype)
+
+            def aligned(x, p, r=tuning, pr=precision):
+                weights, experts = route(x, p["router"], p["bias"], precision=pr, **shape.routing, tuning=r)
                 blk = moe_align(experts, block_m=BLOCK_M)[1]
                 return (x.astype(F32) + 1e-30 * (weights.sum() + blk[0])).astype(x.dtype)
 
-            per_layer = lambda fn: median_seconds(loop_over_layers(fn, 4 * n_iter), layers, xs, reps=reps) / (
-                4 * n_iter * n_layers) - glue_s
+            per_layer = lambda fn: median_seconds(loop_over_layers(fn, 4 * run.n_iter), layers, xs, reps=run.reps) / (
+                4 * run.n_iter * run.n_layers) - glue_s
             sec_alone = per_layer(alone)
             sec_align = per_layer(aligned) if t > 1 else None
-            say(f"| {t} | {name} | {sec_alone * 1e6:.1f} | {'-' if sec_align is None else f'{sec_align * 1e6:.1f}'} | "
-                f"{same} |")
-            fails += [] if same else [f"router {name} T={t}"]
-            if same and name not in ("legacy", "legacy bf16") and (t not in best_router or sec_alone < best_router[t][0]):
-                best_router[t] = (sec_alone, name)
-        say(f"T={t}: loop glue {glue_s * 1e6:.1f} µs per layer (subtracted); fastest correct new variant: "
-            f"{best_router[t][1]}")
+            say.row(t, name, f"{sec_alone * 1e6:.1f}", "-" if sec_align is None else f"{sec_align * 1e6:.1f}", same)
+            run.check(same, f"router {name} T={t}")
+            if same and precision == "f32" and (t not in best or sec_alone < best[t][0]):
+                best[t] = (sec_alone, name)
+        say.row(t, f"loop glue {glue_s * 1e6:.1f} µs per layer (subtracted); fastest correct f32 tuning: "
+                   f"{best.get(t, (0, 'none'))[1]}", "", "", "")
+    return glue_per_t
 
-    # (4) whole layers
-    say("\n## whole MoE layer (router + routed + shared), per layer, cold weights over %d layers" % n_layers)
-    say("previous: LEGACY router in bf16 + shared fused; two launches: the f32 router (route, default options) + "
-        "fused_experts, shared fused; model path: routed_experts as the model calls it (at T = 1 the up kernel routes "
-        "the token, no select launch; above T = 1 the same as two launches); fused_experts makes its own align plan "
-        "(a launch at T > 1)")
-    say("the loop's glue: the 1e-30 input update of each layer (one small fusion, not in the model), the router "
-        "rows' figure at the same T, subtracted")
-    say("step options: the model path's loop compiled with lingjax.runtime.step_compiler_options (the step "
-        "programs' command buffers and programmatic dependent launch); PDL off: the same with xla_gpu_enable_pdl=false")
-    say("| T | distinct experts | floor µs | XLA gather µs (x floor) | Pallas previous µs (x floor) | "
-        "Pallas two launches µs (x floor) | Pallas model path µs (x floor) | model path less the loop's glue µs "
-        "(x floor) | speed-up vs previous | step options µs (x floor) | step options, PDL off µs (x floor) |")
-    say("|---|---|---|---|---|---|---|---|---|---|---|")
-    step_opts = [step_compiler_options(), step_compiler_options(xla_options=(("xla_gpu_enable_pdl", False),))]
+
+def whole_layers(run: Run, layers, bw: float, glue_per_t: dict) -> None:
+    """(4): whole layers against their floor, each path; then the model path's kernels, profiled."""
+    say, shape = run.say, run.shape
+    say("\n## whole MoE layer (router + routed + shared), per layer, cold weights over %d layers" % run.n_layers)
+    say("two launches: route (RouterTuning defaults) + fused_experts, shared fused; model path: routed_experts as the "
+        "model calls it (at T = 1 the up kernel routes the token, no select launch; above T = 1 the same as two "
+        "launches); the loop's glue: the 1e-30 input update of each layer (one small fusion, not in the model), the "
+        "router rows' figure at the same T; step options: the model path's loop compiled with "
+        "lingjax.runtime.step_compiler_options (the step programs' command buffers and programmatic dependent "
+        "launch); PDL off: the same with xla_gpu_enable_pdl=false")
+    say.table("T", "distinct experts", "floor µs", "XLA gather µs (x floor)", "Pallas two launches µs (x floor)",
+              "Pallas model path µs (x floor)", "model path less the loop's glue µs (x floor)", "speed-up vs XLA",
+              "step options µs (x floor)", "step options, PDL off µs (x floor)")
+    step_opts = [step_compiler_options(), step_compiler_options(CompileOptions(xla_options=(("xla_gpu_enable_pdl",
+                                                                                            False),)))]
     if target.platform() != "gpu":  # the smoke run: no GPU options to apply
         step_opts = [None, None]
-    model_path = lambda x, p: model_layer(x, p, cfg)
+    model_path = lambda x, p: model_layer(x, p, shape)
     breakdown, rows = {}, []
-    for t in ts:
-        xs = [jax.random.normal(jax.random.key(400 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
-        dist = np.mean([len(np.unique(np.asarray(moe_ops.route(x, p["router"], p["bias"], **cfg)[1])))
+    for t in run.ts:
+        xs = run.inputs(400, t)
+        dist = np.mean([len(np.unique(np.asarray(moe_ops.route(x, p["router"], p["bias"], **shape.routing)[1])))
                         for x, p in zip(xs, layers)])
         res = []
-        for fn, opts in ((lambda x, p: xla_layer(x, p, cfg), None),
-                         (lambda x, p: pallas_layer(x, p, cfg, ROUTERS["legacy"], precision="bf16"), None),
-                         (lambda x, p: pallas_layer(x, p, cfg, ROUTERS["default"]), None),
+        for fn, opts in ((lambda x, p: xla_layer(x, p, shape), None), (lambda x, p: pallas_layer(x, p, shape), None),
                          (model_path, None), (model_path, step_opts[0]), (model_path, step_opts[1])):
-            res.append(median_seconds(loop_over_layers(fn, n_iter, opts), layers, xs, reps=reps) / (n_iter * n_layers))
-        rows.append((t, dist, layer_bytes(dist, d, i, e), glue_per_t[t], res))
-        breakdown[t] = kernel_us(loop_over_layers(model_path, max(1, n_iter // 4)), layers, xs)
-    # a floor the layers beat is no floor: the probes above have read slower than the T = 16 layer streams
-    # (bench/results/moe_h200_2026-12-01_run3.md), so the layers' own best rate joins them
-    layer_bw = max(nbytes / sec for _, _, nbytes, _, res in rows for sec in res)
+            res.append(median_seconds(loop_over_layers(fn, run.n_iter, opts), layers, xs, reps=run.reps)
+                       / (run.n_iter * run.n_layers))
+        rows.append((t, dist, moe_layer_bytes(shape, dist), glue_per_t[t], res))
+        breakdown[t] = kernel_us(loop_over_layers(model_path, max(1, run.n_iter // 4)), layers, xs)
+    layer_bw = max(nbytes / sec for _, _, nbytes, _, res in rows for sec in res)  # a floor the layers beat is none
     floor_bw = max(bw, layer_bw)
     for t, dist, nbytes, glue_s, res in rows:
         floor = nbytes / floor_bw
         cell = lambda sec: f"{sec * 1e6:.1f} ({sec / floor:.2f}x)"
-        say(f"| {t} | {dist:.1f} | {floor * 1e6:.1f} | {cell(res[0])} | {cell(res[1])} | {cell(res[2])} | "
-            f"{cell(res[3])} | {cell(res[3] - glue_s)} | {res[1] / res[3]:.2f}x | {cell(res[4])} | {cell(res[5])} |")
+        say.row(t, f"{dist:.1f}", f"{floor * 1e6:.1f}", cell(res[0]), cell(res[1]), cell(res[2]), cell(res[2] - glue_s),
+                f"{res[0] / res[2]:.2f}x", cell(res[3]), cell(res[4]))
     say(f"floors at {floor_bw / 1e12:.2f} TB/s: the larger of the probes' {bw / 1e12:.2f} and the fastest any layer "
         f"above read its bytes, {layer_bw / 1e12:.2f}")
     say("\nmodel path, kernel by kernel (profiled medians, µs; one launch each per layer):")
     for t, us in breakdown.items():
         say(f"T={t}: " + ", ".join(f"{name} {v:.2f}" for name, v in sorted(us.items(), key=lambda kv: -kv[1])))
 
-    # (5) tile sweep: kernel times from a profile, at the full width and at a TP2 device's half
+
+def tiles(run: Run, cfg, tp: int, layers) -> None:
+    """(5): fused_experts' TILES in the two-launch layer, at the layer's width and at half of it."""
+    say = run.say
     say("\n## fused_experts tiles: moe_up_swiglu / moe_down_combine kernel µs (profiled medians) in the two-launch "
         "layer; bits: every f32 output row bit-equal to the default tiles' at T = 6 (row invariance across tiles)")
-    say("| I | T | up tiles | up µs | down tiles | down µs | bits |")
-    say("|---|---|---|---|---|---|---|")
-    for i_dim in (i, i // 2):
-        half = layers if i_dim == i else [make_layer(jax.random.key(10 + l), d, i_dim, e) for l in range(n_layers)]
-        x6 = jax.random.normal(jax.random.key(77), (6, d), F32).astype(BF16)
-        f32_out = jax.jit(lambda x, p, tiles: pallas_layer(x, p, cfg, {}, tiles=dict(tiles), dtype=F32),
-                          static_argnums=2)
-        bits = lambda x, tiles: np.asarray(f32_out(x, half[0], tuple(tiles.items()))).view(np.uint32)
-        ref6 = bits(x6, {})
-        for t in ts[:2] + ((4,) if not smoke else ()):
-            xs = [jax.random.normal(jax.random.key(300 + 10 * t + l), (t, d), F32).astype(BF16) for l in range(n_layers)]
-            for up, down in zip(UP_TILES, DOWN_TILES):
-                fn = lambda x, p, tiles={**up, **down}: pallas_layer(x, p, cfg, {}, tiles=tiles)
+    say.table("I", "T", "up tiles", "up µs", "down tiles", "down µs", "bits")
+    for shape in (run.shape, moe_shape(cfg, 2 * tp)):
+        at = layers if shape == run.shape else [make_layer(jax.random.key(10 + l), shape) for l in range(run.n_layers)]
+        x6 = jax.random.normal(jax.random.key(77), (6, shape.d), F32).astype(BF16)
+        f32_out = jax.jit(lambda x, p, tuning: pallas_layer(x, p, shape, experts=tuning, dtype=F32), static_argnums=2)
+        bits = lambda x, tuning: np.asarray(f32_out(x, at[0], tuning)).view(np.uint32)
+        ref6 = bits(x6, ExpertTuning())
+        for t in run.ts[:2] + (() if run.smoke else (4,)):
+            xs = run.inputs(300, t, shape)
+            for up, down in TILES:
+                tuning = ExpertTuning(**up, **down)
+                fn = lambda x, p, tuning=tuning: pallas_layer(x, p, shape, experts=tuning)
                 try:
-                    same = bool((bits(x6[:t], {**up, **down}) == ref6[:t]).all())
-                    us = kernel_us(loop_over_layers(fn, max(1, n_iter // 4)), half, xs)
+                    same = bool((bits(x6[:t], tuning) == ref6[:t]).all())
+                    us = kernel_us(loop_over_layers(fn, max(1, run.n_iter // 4)), at, xs)
                 except jax.errors.JaxRuntimeError as err:  # e.g. a tile that overflows shared memory
-                    say(f"| {i_dim} | {t} | {up} | failed: {str(err).splitlines()[0][:80]} | {down} | | |")
+                    say.row(shape.i, t, up, f"failed: {str(err).splitlines()[0][:80]}", down, "", "")
                     continue
-                say(f"| {i_dim} | {t} | {up} | {us.get('moe_up_swiglu', float('nan')):.2f} | {down} | "
-                    f"{us.get('moe_down_combine', float('nan')):.2f} | {'equal' if same else 'DIFFER'} |")
-                fails += [] if same else [f"tile bits I={i_dim} T={t} {up} {down}"]
+                say.row(shape.i, t, up or "default", f"{us.get('moe_up_swiglu', float('nan')):.2f}", down or "default",
+                        f"{us.get('moe_down_combine', float('nan')):.2f}", "equal" if same else "DIFFER")
+                run.check(same, f"tile bits I={shape.i} T={t} {up} {down}")
 
-    say(f"\ncorrectness failures: {fails or 'none'}")
+
+def main(argv=None):
+    ap = parser(__doc__)
+    add_options(ap, "model", "tp", "smoke", "out", model="flash")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.model = "tiny"
+    cfg = config_of(args.model)
+    shape = moe_shape(cfg, args.tp)
+    run = Run(shape, args.smoke, Report(args.out), n_layers=2 if args.smoke else 8,
+              ts=(1, 6) if args.smoke else (1, 6, 16), n_iter=1 if args.smoke else 30, reps=1 if args.smoke else 7)
+    routing = shape.routing
+    heading(run.say, f"MoE layer: {args.model} at TP{args.tp} (D {shape.d}, I {shape.i}, {shape.e} experts, top "
+                     f"{routing['top_k']}, {routing['n_group']} groups / top {routing['topk_group']}, shared "
+                     f"{shape.shared})")
+    correctness(run)
+    bw = bandwidth(run)
+    layers = [make_layer(jax.random.key(10 + l), shape) for l in range(run.n_layers)]
+    glue_per_t = routers(run, layers, bw)
+    whole_layers(run, layers, bw, glue_per_t)
+    tiles(run, cfg, args.tp, layers)
+    run.say(f"\ncorrectness failures: {run.fails or 'none'}")
+    return 1 if run.fails else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

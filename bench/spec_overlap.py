@@ -1,6 +1,7 @@
 """Does the host keep ahead of the device? Speculative rounds and plain decode steps, timed three ways.
 
-    python bench/spec_overlap.py --model mid --steps 3 --new-tokens 128 --out bench/results/x.md
+    python bench/spec_overlap.py --model mid --steps 3 --new-tokens 128 --out spec_overlap.md
+    python bench/spec_overlap.py --model tiny --new-tokens 16 --prompt-len 24      # a CPU check
 
 - device time per step: N steps dispatched back to back, one block at the end (no host reads);
 - dispatch time per step: how long the host's call takes to return (the host's own work);
@@ -15,8 +16,6 @@ the MTP layer drafts badly, so accept lengths are ~1; this measures the loop, no
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import statistics
 import time
 
@@ -25,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import lingjax
+from common import Report, add_options, heading, parser
 from lingjax import engine
 from lingjax.sampling import SamplingParams
-from report import Report  # bench/report.py, beside this script
 
 
 def _spec_state(model, program, drafter, prompt, max_new):
@@ -76,66 +75,71 @@ def time_decode(model, prompt, steps):
     return (time.perf_counter() - t0) / steps, statistics.median(calls)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="mid")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--out", default=None, help="write the markdown report here too")
-    args = ap.parse_args()
-
-    say = Report(args.out)
-
-    t = time.perf_counter()
-    model = lingjax.load(args.model, dtype=args.dtype)
-    jax.block_until_ready(model.weights)
-    say(f"# spec_overlap: {args.model} ({model.num_params() / 1e9:.2f} B params, {args.dtype}), steps {args.steps}")
-    say(f"date {datetime.date.today()}, device {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-        f"jax {jax.__version__}; load {time.perf_counter() - t:.1f} s")
-    prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, args.prompt_len).astype(np.int32)
-    n = args.new_tokens
-
-    # compile everything once
-    t = time.perf_counter()
-    plain = lingjax.generate(model, prompt, n, ignore_eos=True)
-    spec = lingjax.generate(model, prompt, n, ignore_eos=True, spec="nextn", steps=args.steps)
-    say(f"compile + first runs {time.perf_counter() - t:.1f} s")
-
-    # the run-ahead loops, under the transfer guard
-    with jax.transfer_guard_device_to_host("disallow"):
-        plain = lingjax.generate(model, prompt, n, ignore_eos=True)
-        spec = lingjax.generate(model, prompt, n, ignore_eos=True, spec="nextn", steps=args.steps)
-    guard_fires = False
+def guard_fires() -> bool:
+    """Whether reading a device value under transfer_guard_device_to_host("disallow") raises on this backend (the
+    negative control of the guarded generate calls)."""
     with jax.transfer_guard_device_to_host("disallow"):
         try:
             int(jnp.int32(3) + 1)
         except Exception:
-            guard_fires = True
-    say(f"generate ran under transfer_guard_device_to_host('disallow'); negative control (int() of a device "
-        f"array under the guard) {'raised' if guard_fires else 'did NOT raise: the guard is blind on this backend'}")
+            return True
+    return False
+
+
+def guarded_runs(model, prompt, args, say):
+    """Compile, then the run-ahead loops (plain and speculative) under the transfer guard -> (plain, spec) results."""
+    n = args.new_tokens
+    t = time.perf_counter()  # compile everything once
+    lingjax.generate(model, prompt, n, ignore_eos=True)
+    lingjax.generate(model, prompt, n, ignore_eos=True, spec="nextn", steps=args.steps)
+    say(f"compile + first runs {time.perf_counter() - t:.1f} s")
+    with jax.transfer_guard_device_to_host("disallow"):
+        plain = lingjax.generate(model, prompt, n, ignore_eos=True)
+        spec = lingjax.generate(model, prompt, n, ignore_eos=True, spec="nextn", steps=args.steps)
+    say("generate ran under transfer_guard_device_to_host('disallow'); negative control (int() of a device array "
+        "under the guard) " + ("raised" if guard_fires() else "did NOT raise: the guard is blind on this backend"))
+    return plain, spec
+
+
+def main(argv=None):
+    ap = parser(__doc__)
+    add_options(ap, "model", "dtype", "kernels", "out")
+    ap.add_argument("--steps", type=int, default=3, help="drafts per round")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    args = ap.parse_args(argv)
+
+    say = Report(args.out)
+    t = time.perf_counter()
+    model = lingjax.load(args.model, dtype=args.dtype, kernels=args.kernels)
+    jax.block_until_ready(model.weights)
+    heading(say, f"spec_overlap: {args.model} ({model.num_params() / 1e9:.2f} B params, {args.dtype}, kernels "
+                 f"{model.kernels}), steps {args.steps}")
+    say(f"load {time.perf_counter() - t:.1f} s")
+    prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, args.prompt_len).astype(np.int32)
+    plain, spec = guarded_runs(model, prompt, args, say)
 
     drafter = engine._make_drafter(model, "nextn", args.steps)
     program = model.spec_program(drafter, SamplingParams())
     rounds = len(spec.accept_lens)
     dev_r, disp_r, block_r = time_rounds(model, program, drafter, prompt, rounds)
     loop_r = (spec.token_times_s[-1] - spec.ttft_s) / max(rounds - 1, 1)
-    dev_d, disp_d = time_decode(model, prompt, n - 1)
+    dev_d, disp_d = time_decode(model, prompt, args.new_tokens - 1)
     loop_d = (plain.token_times_s[-1] - plain.ttft_s) / (len(plain.tokens) - 1)
-    # a blocking plain loop: read each token before the next dispatch
     say()
-    say("| step | device µs/step | host dispatch µs/step | run-ahead loop µs/step | loop / device | blocking loop µs/step |")
-    say("|---|---|---|---|---|---|")
-    say(f"| speculative round (S={args.steps}) | {dev_r * 1e6:.0f} | {disp_r * 1e6:.0f} | {loop_r * 1e6:.0f} | "
-        f"{loop_r / dev_r:.2f} | {block_r * 1e6:.0f} |")
-    say(f"| plain decode (T=1) | {dev_d * 1e6:.0f} | {disp_d * 1e6:.0f} | {loop_d * 1e6:.0f} | {loop_d / dev_d:.2f} | - |")
+    say.table("step", "device µs/step", "host dispatch µs/step", "run-ahead loop µs/step", "loop / device",
+              "blocking loop µs/step")
+    say.row(f"speculative round (S={args.steps})", f"{dev_r * 1e6:.0f}", f"{disp_r * 1e6:.0f}", f"{loop_r * 1e6:.0f}",
+            f"{loop_r / dev_r:.2f}", f"{block_r * 1e6:.0f}")
+    say.row("plain decode (T=1)", f"{dev_d * 1e6:.0f}", f"{disp_d * 1e6:.0f}", f"{loop_d * 1e6:.0f}",
+            f"{loop_d / dev_d:.2f}", "-")
     say()
     say(f"rounds {rounds}, mean accept length {spec.mean_accept_len:.2f} (random MTP weights); "
         f"TTFT spec {spec.ttft_s * 1e3:.1f} ms, plain {plain.ttft_s * 1e3:.1f} ms")
-    same = spec.tokens == plain.tokens
     first_diff = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b), None)
-    say(f"greedy speculative == plain ({args.dtype}): {same}" + ("" if same else f" (first difference at token {first_diff})"))
+    same = spec.tokens == plain.tokens
+    say(f"greedy speculative == plain ({args.dtype}): {same}"
+        + ("" if same else f" (first difference at token {first_diff})"))
 
 
 if __name__ == "__main__":

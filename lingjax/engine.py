@@ -77,40 +77,42 @@ def prefill_bucket(n: int) -> int:
     return max(2 * VERIFY_ROWS, _pow2(n))
 
 
-def cache_capacity(prompt_len: int, max_new_tokens: int, step_width: int = 1) -> int:
+def cache_capacity(prompt_len: int, max_new_tokens: int, step_width: int = 1, chunk: int = PREFILL_CHUNK) -> int:
     """Slots for the (chunk-padded) prompt, every new token and the run-ahead step's writes (a
     verify writes step_width slots past the committed length), rounded to a power of two so few
     capacities (and so few compiled programs) ever exist."""
-    full, rest = divmod(prompt_len, PREFILL_CHUNK)
-    padded = full * PREFILL_CHUNK + (prefill_bucket(rest) if rest else 0)
+    full, rest = divmod(prompt_len, chunk)
+    padded = full * chunk + (prefill_bucket(rest) if rest else 0)
     return max(MIN_CAPACITY, _pow2(max(padded, prompt_len + max_new_tokens + 2 * step_width) + 1))
 
 
-def _prompt_chunks(prompt: np.ndarray) -> Iterator[tuple[int, np.ndarray, int, bool]]:
-    """(start, padded chunk, real length, is last) over the prompt."""
-    for start in range(0, prompt.size, PREFILL_CHUNK):
-        chunk = prompt[start : start + PREFILL_CHUNK]
+def _prompt_chunks(prompt: np.ndarray, size: int) -> Iterator[tuple[int, np.ndarray, int, bool]]:
+    """(start, padded chunk, real length, is last) over the prompt, in chunks of `size` tokens."""
+    for start in range(0, prompt.size, size):
+        chunk = prompt[start : start + size]
         padded = np.zeros(prefill_bucket(chunk.size), np.int32)
         padded[: chunk.size] = chunk
-        yield start, padded, chunk.size, start + PREFILL_CHUNK >= prompt.size
+        yield start, padded, chunk.size, start + size >= prompt.size
 
 
-def plain_prefill(model: Model, prompt: np.ndarray, max_new_tokens: int, sampling, key, rounds_per_call: int = 1):
+def plain_prefill(model: Model, prompt: np.ndarray, max_new_tokens: int, sampling, key, rounds_per_call: int = 1,
+                  chunk: int = PREFILL_CHUNK):
     """The prompt through the target in chunks -> (first new token, cache sized for max_new_tokens and
     decode calls of rounds_per_call steps)."""
     prefill, _ = model.step_programs(sampling)
-    cache = model.new_cache(cache_capacity(prompt.size, max_new_tokens, rounds_per_call))
-    for start, chunk, n_valid, _ in _prompt_chunks(prompt):
-        token, cache = prefill(model.weights, cache, jnp.asarray(chunk), jnp.int32(start), jnp.int32(n_valid), key)
+    cache = model.new_cache(cache_capacity(prompt.size, max_new_tokens, rounds_per_call, chunk))
+    for start, tokens, n_valid, _ in _prompt_chunks(prompt, chunk):
+        token, cache = prefill(model.weights, cache, jnp.asarray(tokens), jnp.int32(start), jnp.int32(n_valid), key)
     return token, cache
 
 
-def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key, rounds_per_call) -> Iterator[list[int]]:
+def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key, rounds_per_call,
+                 chunk) -> Iterator[list[int]]:
     """Yields each call's new tokens (the prefill's one, then rounds_per_call per decode call), reading
     one call behind the device."""
     _, decode = model.step_programs(sampling, rounds_per_call)
     token, cache = plain_prefill(model, prompt, max_new_tokens, sampling, jax.random.fold_in(base_key, 0),
-                                 rounds_per_call)
+                                 rounds_per_call, chunk)
     pending, produced = token, 0
     start_host_copy(pending)
     pos = jnp.int32(prompt.size)
@@ -128,16 +130,17 @@ def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key, round
         pending = new
 
 
-def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tokens: int, base_key):
+def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tokens: int, base_key,
+                 chunk: int = PREFILL_CHUNK):
     """The prompt through the target and the drafter -> (first token b, the state of round 1)."""
     from lingjax.spec.step import SpecState
 
     # a call of rounds_per_call rounds advances s by up to that many verify widths
-    capacity = cache_capacity(prompt.size, max_new_tokens, (drafter.steps + 1) * program.rounds_per_call)
+    capacity = cache_capacity(prompt.size, max_new_tokens, (drafter.steps + 1) * program.rounds_per_call, chunk)
     cache, draft = model.new_cache(capacity), drafter.init(model.module, capacity)
-    for start, chunk, n_valid, last in _prompt_chunks(prompt):
+    for start, tokens, n_valid, last in _prompt_chunks(prompt, chunk):
         after = 0 if last else int(prompt[start + n_valid])
-        bonus, cache, draft = program.prefill_chunk(model.weights, cache, draft, jnp.asarray(chunk), jnp.int32(start),
+        bonus, cache, draft = program.prefill_chunk(model.weights, cache, draft, jnp.asarray(tokens), jnp.int32(start),
                                                     jnp.int32(n_valid), jnp.int32(after), base_key, last=last)
     # the state is donated to the first round: it gets its own copies of the token the host reads
     # and of the caller's key
@@ -146,11 +149,12 @@ def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tok
     return bonus, state
 
 
-def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens, rounds_per_call):
+def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens, rounds_per_call,
+                chunk):
     """Yields each call's new tokens (the prefill's first token, then d_1..d_n, b' of each round the
     call ran), appending each round's accept length to accept_lens."""
     program = model.spec_program(drafter, sampling, rounds_per_call)
-    bonus, state = spec_prefill(model, program, drafter, prompt, max_new_tokens, base_key)
+    bonus, state = spec_prefill(model, program, drafter, prompt, max_new_tokens, base_key, chunk)
     pending, produced, first = bonus, 0, True
     start_host_copy(pending)
     while True:
@@ -177,7 +181,8 @@ def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafte
 def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, stop_ids: Sequence[int] = (), *, top_k: int = 0, top_p: float = 1.0,
              ignore_eos: bool = False, on_token: Callable[[int], None] | None = None,
-             spec: str | None = None, steps: int = 5, drafter=None, rounds_per_call: int = 1) -> GenerationResult:
+             spec: str | None = None, steps: int = 5, drafter=None, rounds_per_call: int = 1,
+             prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
     """Generate up to max_new_tokens after prompt_ids.
 
     Stops at any of stop_ids or the config's EOS ids (unless ignore_eos); on_token(id) is called as
@@ -185,13 +190,17 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
     (greedy output is identical to spec=None); `drafter` plugs in any other drafter object.
     rounds_per_call > 1 runs that many speculative rounds (or plain decode steps) per device call: the
     host's fixed cost per call is shared, tokens reach the host in bursts of that many rounds, and the
-    tokens are the same either way.
+    tokens are the same either way. prefill_chunk: prompt tokens per prefill program, a power of two of at
+    least 2 * VERIFY_ROWS (longer chunks read the experts' weights fewer times; every program compiles once
+    per chunk length).
     """
     prompt = np.asarray(list(prompt_ids), dtype=np.int32)
     if prompt.size == 0:
         raise ValueError("prompt_ids is empty")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prefill_chunk & (prefill_chunk - 1) or prefill_chunk < prefill_bucket(1):
+        raise ValueError(f"prefill_chunk must be a power of two >= {prefill_bucket(1)}, got {prefill_chunk}")
     _check_ids(prompt, model.cfg.vocab_size)
     sampling = SamplingParams(temperature, top_k, top_p)
     stops = set(int(s) for s in stop_ids) | (set() if ignore_eos else set(model.cfg.eos_token_ids))
@@ -202,10 +211,10 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
 
     t0 = time.perf_counter()
     if drafter is None:
-        steps_iter = _plain_steps(model, prompt, max_new_tokens, sampling, base_key, rounds_per_call)
+        steps_iter = _plain_steps(model, prompt, max_new_tokens, sampling, base_key, rounds_per_call, prefill_chunk)
     else:
         steps_iter = _spec_steps(model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens,
-                                  rounds_per_call)
+                                  rounds_per_call, prefill_chunk)
     tokens: list[int] = []
     times: list[float] = []
     stop_reason = "length"

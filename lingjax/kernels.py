@@ -82,6 +82,11 @@ def check_op_names(what: str, names) -> None:
 _reported: set[tuple[str, str]] = set()
 
 
+def forget_fallbacks() -> None:
+    """Say each fallback again from here on, once more (for a bench that reports them model by model)."""
+    _reported.clear()
+
+
 def _fall_back(name: str, reason: str) -> None:
     if (name, reason) not in _reported:
         _reported.add((name, reason))

@@ -1,13 +1,20 @@
-"""step_bench's --xla-option parsing (also aot_census's): XLA debug options for one variant's programs."""
+"""bench/common.py's command-line options: XLA debug options (step_bench, aot_census) and kernel tuning fields
+(--kernel-option OP:FIELD=VALUE), which become each op's tuning dataclass."""
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from step_bench import xla_option  # noqa: E402
+from common import add_options, kernel_option, tuning_for, tuning_label, xla_option  # noqa: E402
+
+from lingjax.config import preset  # noqa: E402
+from lingjax.pallas.kda_chain import ChainTuning  # noqa: E402
+from lingjax.pallas.moe_experts import one_token_tiles  # noqa: E402
+from lingjax.pallas.moe_router import RouterTuning  # noqa: E402
 
 
 def test_values_take_their_type():
@@ -24,26 +31,33 @@ def test_malformed_options_are_refused(bad):
         xla_option(bad)
 
 
-def test_kernel_options_parse_and_group():
-    from step_bench import grouped, kernel_option
-
-    opts = [kernel_option("moe_route:select=serial"), kernel_option("kda_chain:deferred_norms=true"),
-            kernel_option("moe_route:k_splits=2")]
-    assert opts[1] == ("kda_chain", "deferred_norms", True)
-    assert grouped(opts) == (("moe_route", (("select", "serial"), ("k_splits", 2))),
-                             ("kda_chain", (("deferred_norms", True),)))
-    for bad in ("moe_route", "moe_route:select", ":select=serial", "moe_route:=1"):
+def test_kernel_options_become_tuning_dataclasses():
+    opts = [kernel_option("moe_route:k_splits=2"), kernel_option("kda_chain:block_v=16"),
+            kernel_option("moe_route:select_warps=1")]
+    assert opts[1] == ("kda_chain", "block_v", 16)
+    assert tuning_for(opts) == {"moe_route": RouterTuning(k_splits=2, select_warps=1),
+                                "kda_chain": ChainTuning(block_v=16)}
+    assert tuning_label(tuning_for(opts)) == " moe_route:k_splits=2 moe_route:select_warps=1 kda_chain:block_v=16"
+    for bad in ("moe_route", "moe_route:k_splits", ":k_splits=2", "moe_route:=1", "no_such_op:block_v=16"):
         with pytest.raises(argparse.ArgumentTypeError):
             kernel_option(bad)
+    with pytest.raises(ValueError, match="no field"):
+        tuning_for([kernel_option("kda_chain:row_loop=true")])
 
 
-def test_exec_hands_kernel_options_to_the_pallas_kernel_only():
-    from lingjax import kernels
-    from lingjax.execution import Exec
+def test_decode_expert_tiles_start_from_the_width_the_model_runs():
+    # routed_experts picks its tiles by expert width when given none: an option changes that choice, per device
+    cfg = preset("flash")
+    got = tuning_for([kernel_option("moe_routed_experts:stages_up=4")], cfg, tp=2)
+    assert got == {"moe_routed_experts": dataclasses.replace(one_token_tiles(cfg.moe_intermediate_size // 2),
+                                                             stages_up=4)}
+    assert tuning_label(got, cfg, tp=2) == " moe_routed_experts:stages_up=4"
 
-    opts = (("moe_route", (("select", "serial"),)),)
-    op = Exec("pallas", kernel_options=opts).op("moe_route")
-    assert op.func is kernels.get("moe_route", "pallas") and op.keywords == {"select": "serial"}
-    assert Exec("pallas", xla_ops=("moe_route",), kernel_options=opts).op("moe_route") is kernels.get("moe_route", "xla")
-    assert Exec("xla", kernel_options=opts).op("moe_route") is kernels.get("moe_route", "xla")
-    assert Exec("pallas", kernel_options=opts).op("kda_chain") is kernels.get("kda_chain", "pallas")
+
+def test_common_options_parse():
+    ap = add_options(argparse.ArgumentParser(), "model", "tp", "kernels", "kernel_option", "out", many=("tp",),
+                     model="flash")
+    args = ap.parse_args(["--tp", "2", "4", "--kernel-option", "kda_chain:num_warps=2"])
+    assert (args.model, args.tp, args.kernels, args.out) == ("flash", [2, 4], "auto", None)
+    assert args.kernel_option == [("kda_chain", "num_warps", 2)]
+    assert ap.parse_args([]).tp == [1]

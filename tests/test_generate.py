@@ -37,11 +37,10 @@ def test_greedy_equals_full_forward_argmax():
     assert len(result.token_times_s) == 12 and result.ttft_s > 0 and result.tpot_mean_s > 0
 
 
-def test_prompt_longer_than_one_prefill_chunk(monkeypatch):
-    monkeypatch.setattr(engine, "PREFILL_CHUNK", 64)  # three chunk boundaries at a CPU-friendly length
+def test_prompt_longer_than_one_prefill_chunk():
     model = _tiny()
     prompt = _prompt(3 * 64 + 37, seed=1)
-    result = lingjax.generate(model, prompt, 3, ignore_eos=True)
+    result = lingjax.generate(model, prompt, 3, ignore_eos=True, prefill_chunk=64)  # three chunk boundaries
     assert len(result.tokens) == 3 and result.tokens == _full_forward_argmax(model, prompt, result.tokens)
 
 

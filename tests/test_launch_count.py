@@ -1,10 +1,10 @@
-"""bench/step_bench.py's launch count on optimised HLO text (also used by bench/aot_census.py)."""
+"""The bench scripts' launch count on optimised HLO text (bench/common.py: step_bench, aot_census)."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from step_bench import launch_lines, launch_summary  # noqa: E402
+from common import launch_lines, launch_summary  # noqa: E402
 
 # The shapes of an H200 compile: a GEMM fusion whose body is not named %fused..., a tuple-shaped Pallas
 # call and multi-output fusion, a rematerialized norm, a while body, and ops inside fusion bodies.
