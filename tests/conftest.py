@@ -65,6 +65,66 @@ def pytest_terminal_summary(terminalreporter, config):
     _report_salt(config)
 
 
+# The slow tier: tests that take seconds each on a 2-core machine (HF parity over every fixture, TP on fake
+# devices, long speculative runs, interpret-mode kernel sweeps). `pytest -m "not slow"` runs the rest, a few of
+# each kind kept (greedy against the full forward, HF logits, the CLI, zero and full acceptance), for daily work;
+# the full suite is the CI command. Marked here by module and test function (every parametrisation).
+SLOW = {
+    "test_checkpoint": {
+        "test_alternate_layouts_load_identically", "test_save_load_round_trip_and_orbax"},
+    "test_generate": {
+        "test_cli_generate_speculative", "test_cli_generate_tensor_parallel", "test_decode_steps_per_call_same_tokens",
+        "test_kernel_set_auto_and_bad_names", "test_pallas_kernels_give_the_same_model",
+        "test_prompt_longer_than_one_prefill_chunk", "test_sampling_is_seeded_and_respects_top_k",
+        "test_xla_ops_override_one_kernel"},
+    "test_kernel_stamps": {
+        "test_smoke_run_equals_unprobed"},
+    "test_model_lowering": {
+        "test_every_program_lowers_with_auto_kernels"},
+    "test_ops": {
+        "test_experts_sorted_matches_gathered", "test_kda_chain_contract_matches_prepare_and_recurrence",
+        "test_kda_chunked_matches_recurrent", "test_kda_padding_rows_leave_state_unchanged",
+        "test_mla_absorbed_matches_expanded"},
+    "test_pallas_kda": {
+        "test_chain_decode_in_place", "test_chain_verify_bf16_inputs", "test_chain_verify_every_t",
+        "test_chain_verify_head_dim_128", "test_chain_verify_heads_and_gate_forms", "test_chain_verify_padded_rows",
+        "test_chain_verify_rows_equal_sequential_decode", "test_chain_verify_tiles",
+        "test_chain_verify_tiles_per_program", "test_chunked_prefill_bf16_inputs", "test_chunked_prefill_gate_extremes",
+        "test_chunked_prefill_matches_references", "test_chunked_prefill_padding_rows_leave_state",
+        "test_model_logits_with_pallas_kda"},
+    "test_pallas_lowering": {
+        "test_moe_kernels_lower"},
+    "test_pallas_mla": {
+        "test_matches_reference", "test_row_invariance", "test_tiles_and_splits"},
+    "test_pallas_moe": {
+        "test_align_matches_sort_reference", "test_fused_experts_match_gathered",
+        "test_fused_experts_read_the_real_rows_in_place", "test_hf_parity_with_pallas_moe",
+        "test_kernel_options_reach_the_kernel", "test_routed_experts_match_reference",
+        "test_router_f32_on_bf16_operands_is_exact", "test_router_flash_routing", "test_router_matches_reference",
+        "test_router_ties_resolve_to_lower_index", "test_single_token_shared_expert_split",
+        "test_single_token_up_reads_x_row_once"},
+    "test_parity": {
+        "test_bf16_router_keeps_parity", "test_decode_step_logits_match_full_forward", "test_greedy_tokens_match_hf"},
+    "test_serve_bench": {
+        "test_serve_bench_tiny"},
+    "test_sharding": {
+        "test_distributed_argmax_ties_to_lowest_id", "test_logits_and_greedy_match_tp1",
+        "test_orbax_restores_straight_into_shards", "test_random_presets_are_drawn_in_shards_and_equal_at_every_tp",
+        "test_sampling_matches_tp1", "test_tp8_matches_tp1", "test_weights_are_sharded_and_loaded_straight_into_shards"},
+    "test_spec": {
+        "test_bf16_greedy_spec_equals_plain_128_tokens", "test_decode_and_verify_reduce_alike",
+        "test_greedy_then_sampled_then_greedy_is_unpolluted", "test_nextn_greedy_equals_plain_greedy_256_tokens",
+        "test_nextn_greedy_matches_hf_fixture", "test_rounds_per_call_same_tokens_and_accept_lengths",
+        "test_target_only_accept_is_lossless", "test_verify_then_commit_equals_sequential_decode"},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.originalname in SLOW.get(item.module.__name__, ()):
+            item.add_marker(pytest.mark.slow)
+
+
 def key_for(*parts) -> jax.Array:
     return jax.random.key(zlib.crc32(repr((SALT,) + parts).encode()) % 2**31)
 
