@@ -3,11 +3,37 @@
     model = lingjax.load("tiny" | "/path/to/checkpoint", dtype="bfloat16", kernels="auto")
     model.logits(token_ids)                   # float32 [T, vocab], one full forward
     lingjax.generate(model, prompt_ids, 32)   # .tokens, .ttft_s, .tpot_mean_s, ...
+
+The names below import on first use, so `import lingjax` (and `lingjax --help`) starts without importing jax.
 """
 
-from lingjax.checkpoint import CheckpointError
-from lingjax.config import ConfigError, LingConfig, preset
-from lingjax.engine import GenerationResult, generate
-from lingjax.runtime import Model, load
+from importlib import metadata as _metadata
 
-__all__ = ["CheckpointError", "ConfigError", "GenerationResult", "LingConfig", "Model", "generate", "load", "preset"]
+try:
+    __version__ = _metadata.version("lingjax")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+_EXPORTS = {
+    "CheckpointError": "lingjax.checkpoint",
+    "ConfigError": "lingjax.config",
+    "LingConfig": "lingjax.config",
+    "preset": "lingjax.config",
+    "GenerationResult": "lingjax.engine",
+    "generate": "lingjax.engine",
+    "Model": "lingjax.runtime",
+    "RunOptions": "lingjax.runtime",
+    "load": "lingjax.runtime",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lingjax' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

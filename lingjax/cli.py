@@ -7,6 +7,16 @@ import sys
 from pathlib import Path
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one `lingjax: error: ...` line and exit status 2 for a bad command line (no usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"lingjax: error: {message} (see {self.prog} --help)\n")
+
+
+_HELP = dict(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
 def _progress(label: str):
     def report(done: int, total: int) -> None:
         print(f"\r{label} {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
@@ -80,16 +90,19 @@ def cmd_info(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lingjax", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    import lingjax
 
-    g = sub.add_parser("generate", help="greedy or sampled generation, streaming token ids")
+    parser = _Parser(prog="lingjax", description=__doc__, **_HELP)
+    parser.add_argument("--version", action="version", version=f"lingjax {lingjax.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="greedy or sampled generation, streaming token ids", **_HELP)
     _add_model_args(g)
     g.add_argument("--prompt-ids", type=_ids, required=True, help='prompt token ids, e.g. "1 2 3"')
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (and preset weights' seed)")
     g.add_argument("--stop-ids", type=_ids, default=[], help="extra stop token ids")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's EOS ids")
@@ -98,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--rounds-per-call", type=int, default=1,
                    help="speculative rounds (or decode steps) per device call: the host's cost per call is "
                         "shared; tokens arrive in bursts, the same tokens either way")
-    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
     g.add_argument("--kernels", choices=["auto", "xla", "pallas"], default="auto",
                    help="auto: the Pallas kernels on a GPU, the XLA references elsewhere")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
@@ -106,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="MoE gate GEMV operands (bf16: faster, a declared rounding change)")
     g.set_defaults(run=cmd_generate)
 
-    c = sub.add_parser("convert", help="official safetensors checkpoint -> lingjax (orbax) checkpoint")
+    c = sub.add_parser("convert", help="official safetensors checkpoint -> lingjax (orbax) checkpoint", **_HELP)
     c.add_argument("hf_dir", type=Path)
     c.add_argument("out_dir", type=Path)
-    c.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    c.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the saved weights")
     c.set_defaults(run=cmd_convert)
 
-    i = sub.add_parser("info", help="config summary and parameter count (abstract: no memory used)")
+    i = sub.add_parser("info", help="config summary and parameter count (abstract: no memory used)", **_HELP)
     _add_model_args(i)
     i.set_defaults(run=cmd_info)
 

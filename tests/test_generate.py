@@ -213,3 +213,27 @@ def test_cli_generate_tensor_parallel(capsys):
     plain = capsys.readouterr().out.split()
     assert cli.main(args + ["--tp", "2"]) == 0
     assert capsys.readouterr().out.split() == plain
+
+
+def test_cli_version_and_one_line_usage_errors(capsys):
+    """--version prints lingjax's version; a bad value or choice is one `lingjax: error:` line and exit 2."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"lingjax {lingjax.__version__}"
+    for argv in (["generate", "--model", "tiny", "--prompt-ids", "1 x"], ["generate", "--model", "tiny"],
+                 ["generate", "--model", "nope", "--prompt-ids", "1"], ["frobnicate"]):
+        with pytest.raises(SystemExit) as done:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and err.startswith("lingjax: error: ") and err.count("\n") == 1, (argv, err)
+
+
+def test_cli_help_imports_no_jax():
+    """`lingjax generate --help` starts without importing jax, and shows the defaults."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lingjax.cli\ntry: lingjax.cli.main(['generate', '--help'])\nexcept SystemExit: pass\n"
+            "print('jax imported' if 'jax' in sys.modules else 'no jax')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("no jax") and "(default: 32)" in out
