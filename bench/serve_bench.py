@@ -99,8 +99,10 @@ def main(argv=None):
                     help="prompt tokens per prefill program (a power of two); each chunk reads the weights once")
     ap.add_argument("--time-budget", type=float, default=600.0, help="seconds for the measured requests")
     args = ap.parse_args(argv)
-    if args.prefill_chunk & (args.prefill_chunk - 1) or args.prefill_chunk < engine.prefill_bucket(1):
-        ap.error(f"--prefill-chunk must be a power of two >= {engine.prefill_bucket(1)}, got {args.prefill_chunk}")
+    try:
+        engine.check_prefill_chunk(args.prefill_chunk)
+    except ValueError as e:
+        ap.error(f"--prefill-chunk: {e}")
     model = lingjax.load(args.model, dtype=args.dtype, kernels=args.kernels, tp=args.tp,
                          router_precision=args.router_precision)
     report(model, args, *run_requests(model, args))

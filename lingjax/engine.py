@@ -77,6 +77,13 @@ def prefill_bucket(n: int) -> int:
     return max(2 * VERIFY_ROWS, _pow2(n))
 
 
+def check_prefill_chunk(tokens: int) -> int:
+    """The one validity check of a prefill chunk length: a power of two that takes the chunked path."""
+    if tokens & (tokens - 1) or tokens < prefill_bucket(1):
+        raise ValueError(f"prefill_chunk must be a power of two >= {prefill_bucket(1)}, got {tokens}")
+    return tokens
+
+
 def cache_capacity(prompt_len: int, max_new_tokens: int, step_width: int = 1, chunk: int = PREFILL_CHUNK) -> int:
     """Slots for the (chunk-padded) prompt, every new token and the run-ahead step's writes (a
     verify writes step_width slots past the committed length), rounded to a power of two so few
@@ -199,8 +206,7 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
         raise ValueError("prompt_ids is empty")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if prefill_chunk & (prefill_chunk - 1) or prefill_chunk < prefill_bucket(1):
-        raise ValueError(f"prefill_chunk must be a power of two >= {prefill_bucket(1)}, got {prefill_chunk}")
+    check_prefill_chunk(prefill_chunk)
     _check_ids(prompt, model.cfg.vocab_size)
     sampling = SamplingParams(temperature, top_k, top_p)
     stops = set(int(s) for s in stop_ids) | (set() if ignore_eos else set(model.cfg.eos_token_ids))

@@ -137,7 +137,6 @@ class Model:
     def _set_options(self, options: RunOptions) -> None:
         """Adopt `options` and start with no compiled program."""
         self.options = options
-        self.kernels = options.kernels
         self.ex = options.exec(sharding.AXIS if self.mesh is not None else None)
         ps, cs, rep, vocab = self.weight_specs, self.cache_specs, P(), P(None, sharding.AXIS)
         self._extend_logits = jax.jit(self.sharded(self._extend_logits_impl, (ps, cs, rep, rep), (vocab, cs)),
@@ -150,6 +149,11 @@ class Model:
         other = copy.copy(self)
         other._set_options(dataclasses.replace(self.options, **changes))
         return other
+
+    @property
+    def kernels(self) -> str:
+        """The resolved kernel set, "xla" or "pallas" (RunOptions.kernels)."""
+        return self.options.kernels
 
     @property
     def params(self):
