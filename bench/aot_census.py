@@ -144,7 +144,7 @@ def compile_programs(args, devices, say) -> list[tuple[str, str]]:
     i32 = typed(jax.ShapeDtypeStruct((), jnp.int32), rep)
     key = typed(jax.eval_shape(lambda: jax.random.key(0)), rep)
     sampling = SamplingParams()
-    drafter = engine._make_drafter(model, "nextn", args.steps)
+    drafter = engine.make_drafter(model, "nextn", args.steps)
     draft = jax.eval_shape(lambda: drafter.init(model.module, args.capacity))
     state = SpecState(cache=cache, draft=typed(draft, jax.tree.map(lambda _: rep, draft)), s=i32, bonus=i32,
                       round=i32, key=key)

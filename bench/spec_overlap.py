@@ -119,7 +119,7 @@ def main(argv=None):
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, args.prompt_len).astype(np.int32)
     plain, spec = guarded_runs(model, prompt, args, say)
 
-    drafter = engine._make_drafter(model, "nextn", args.steps)
+    drafter = engine.make_drafter(model, "nextn", args.steps)
     program = model.spec_program(drafter, SamplingParams())
     rounds = len(spec.accept_lens)
     dev_r, disp_r, block_r = time_rounds(model, program, drafter, prompt, rounds)

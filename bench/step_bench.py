@@ -168,7 +168,7 @@ def time_decode(model, args, prompt, steps: int):
 def time_round(model, args, prompt, rounds: int):
     """The speculative round program at `rounds` per call -> time_program's result."""
     key = jax.random.key(0)
-    drafter = engine._make_drafter(model, "nextn", args.steps)
+    drafter = engine.make_drafter(model, "nextn", args.steps)
     program = model.spec_program(drafter, SamplingParams(), rounds)
 
     def prepare(n):  # the speculative state after the prompt

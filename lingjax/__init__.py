@@ -2,7 +2,8 @@
 
     model = lingjax.load("tiny" | "/path/to/checkpoint", dtype="bfloat16", kernels="auto")
     model.logits(token_ids)                   # float32 [T, vocab], one full forward
-    lingjax.generate(model, prompt_ids, 32)   # .tokens, .ttft_s, .tpot_mean_s, ...
+    lingjax.generate(model, "text" | ids, 32)  # .text, .tokens, .ttft_s, .tpot_mean_s, ...
+    lingjax.chat(model, [{"role": "user", "content": "..."}])  # the chat template, then generate
 
 The names below import on first use, so `import lingjax` (and `lingjax --help`) starts without importing jax.
 """
@@ -20,11 +21,17 @@ _EXPORTS = {
     "LingConfig": "lingjax.config",
     "preset": "lingjax.config",
     "GenerationResult": "lingjax.engine",
+    "chat": "lingjax.engine",
     "generate": "lingjax.engine",
     "Model": "lingjax.runtime",
     "RunOptions": "lingjax.runtime",
     "load": "lingjax.runtime",
+    "Tokenizer": "lingjax.tokenizer",
+    "TokenizerError": "lingjax.tokenizer",
+    "enable_compilation_cache": "lingjax.compilation_cache",
 }
+
+_RENAMED = {"enable_compilation_cache": "enable"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
@@ -34,6 +41,7 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'lingjax' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    module = importlib.import_module(_EXPORTS[name])
+    value = getattr(module, _RENAMED.get(name, name))
     globals()[name] = value
     return value

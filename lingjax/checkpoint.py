@@ -331,7 +331,9 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype=jnp.bfloat16,
     cfg = LingConfig.from_hf(raw)
     model = load_safetensors(hf_dir, cfg, dtype, progress=progress)
     save_orbax(model, out_dir, raw)
-    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    from lingjax.tokenizer import TOKENIZER_FILES
+
+    for extra in TOKENIZER_FILES:  # the tokenizer, its special tokens and chat template, the stop ids
         if (hf_dir / extra).exists():
             shutil.copy(hf_dir / extra, Path(out_dir) / extra)
     return model

@@ -1,8 +1,13 @@
-"""`lingjax` command line: generate, convert, info."""
+"""`lingjax` command line: generate, chat, convert, info.
+
+Every request is checked before a weight is drawn or read; a bad one is one `lingjax: error: ...` line and
+exit status 2. `--help` imports no jax.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -14,14 +19,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"lingjax: error: {message} (see {self.prog} --help)\n")
 
 
+class UsageError(ValueError):
+    """A request that cannot run as given; the message says what to change."""
+
+
 _HELP = dict(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-
-
-def _progress(label: str):
-    def report(done: int, total: int) -> None:
-        print(f"\r{label} {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
-
-    return report
 
 
 def _ids(text: str) -> list[int]:
@@ -31,6 +33,17 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers separated by spaces, got {text!r}") from None
 
 
+def _key_value(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. enable_thinking=false), got {text!r}")
+    try:
+        return key, json.loads(value)  # true/false/numbers/JSON; anything else is a string
+    except json.JSONDecodeError:
+        return key, value
+
+
+# ---- arguments ----------------------------------------------------------------------------------------
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from lingjax.config import PRESETS
 
@@ -39,35 +52,218 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--checkpoint", type=Path, help="official safetensors dir or `lingjax convert` output")
 
 
-def cmd_generate(args) -> int:
+def _add_run_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (and preset weights' seed)")
+    p.add_argument("--stop-ids", type=_ids, default=[], help="extra stop token ids")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's stop tokens")
+    p.add_argument("--spec", choices=["nextn"], default=None, help="speculate with the MTP layer")
+    p.add_argument("--steps", type=int, default=None, help="drafts per speculative round with --spec (default 5; "
+                                                           "verify width steps+1)")
+    p.add_argument("--rounds-per-call", type=int, default=1,
+                   help="speculative rounds (or decode steps) per device call: the host's cost per call is "
+                        "shared; tokens arrive in bursts, the same tokens either way")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
+    p.add_argument("--kernels", choices=["auto", "xla", "pallas"], default="auto",
+                   help="auto: the Pallas kernels on a GPU, the XLA references elsewhere")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
+    p.add_argument("--router-precision", choices=["f32", "bf16"], default="f32",
+                   help="MoE gate GEMV operands (bf16: faster, a declared rounding change)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="do not use the persistent compilation cache (also: LINGJAX_NO_CACHE=1)")
+
+
+def _add_chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", default=None, help="a system message before the first turn")
+    p.add_argument("--chat-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="a variable of the chat template, e.g. enable_thinking=false (repeatable)")
+
+
+# ---- the request, checked before any weight -----------------------------------------------------------
+def _source(args):
+    """(cfg, directory or None, source name, tokenizer or None), read without a weight."""
+    from lingjax.config import PRESETS
+    from lingjax.runtime import resolve, source_tokenizer
+
+    if args.checkpoint is not None:
+        name = str(args.checkpoint)
+        if not args.checkpoint.exists() and name in PRESETS:
+            raise UsageError(f"{name!r} is a preset, not a checkpoint directory: use --model {name}")
+        if not args.checkpoint.is_dir():
+            raise UsageError(f"--checkpoint {name}: no such directory")
+    else:
+        name = args.model
+    cfg, directory = resolve(name)
+    return cfg, directory, name, source_tokenizer(cfg, directory, name)
+
+
+def _prompt_text(args) -> str | None:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        if str(args.prompt_file) == "-":
+            return sys.stdin.read()
+        try:
+            return args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--prompt-file {args.prompt_file}: {e}") from None
+    if args.prompt_ids is None and not sys.stdin.isatty():
+        return sys.stdin.read()
+    return None
+
+
+def _chat_kwargs(args) -> dict:
+    return dict(args.chat_option)
+
+
+def _messages(system: str | None, user: str) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": user}]
+
+
+def _render(tokenizer, name: str, messages: list[dict], kwargs: dict) -> str:
+    from lingjax.chat_template import render
+
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise UsageError(f"{name} has no chat template (tokenizer_config.json chat_template)")
+    return render(tokenizer.chat_template, messages, add_generation_prompt=True,
+                  special_tokens=tokenizer.special_tokens, **kwargs)
+
+
+def _generation_kwargs(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                stop_ids=args.stop_ids, top_k=args.top_k, top_p=args.top_p, ignore_eos=args.ignore_eos,
+                spec=args.spec, steps=args.steps, rounds_per_call=args.rounds_per_call)
+
+
+def _check_request(cfg, prompt_len: int, args, name: str) -> None:
+    from lingjax import requests
+
+    requests.check_generation(cfg, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, spec=args.spec,
+                              steps=args.steps, rounds_per_call=args.rounds_per_call,
+                              has_mtp=cfg.num_nextn_predict_layers > 0)
+    requests.check_stop_ids(args.stop_ids, cfg.vocab_size)
+    _check_devices(cfg, args, name)
+
+
+def _check_devices(cfg, args, name: str) -> None:
+    """Enough devices for --tp, and the weights fit their memory (estimated from the config)."""
+    from lingjax.memory import check_fits
+    from lingjax.runtime import DTYPES
+    from lingjax.sharding import check_tp
+
+    check_tp(cfg, args.tp)
+    check_fits(cfg, DTYPES[args.dtype], args.tp, name)
+
+
+def _load(args, name: str, tokenizer):
+    """Load after every check: the compilation cache first, then the weights with a progress bar."""
     import lingjax
+    from lingjax import compilation_cache
+    from lingjax.progress import Progress
 
-    model = lingjax.load(args.model or args.checkpoint, dtype=args.dtype, kernels=args.kernels, seed=args.seed,
-                         progress=_progress("loading parameters"), tp=args.tp,
-                         router_precision=args.router_precision)
+    if not args.no_cache:
+        compilation_cache.enable()
+    if args.model is not None:
+        print(f"drawing random weights (preset {name})", file=sys.stderr, flush=True)
+    return lingjax.load(name, dtype=args.dtype, kernels=args.kernels, seed=args.seed, tp=args.tp,
+                        router_precision=args.router_precision, progress=Progress("loading weights"),
+                        tokenizer=tokenizer)
 
-    def show(token: int) -> None:
-        print(token, end=" ", flush=True)
 
-    result = lingjax.generate(model, args.prompt_ids, args.max_new_tokens, temperature=args.temperature,
-                              seed=args.seed, stop_ids=args.stop_ids, top_k=args.top_k, top_p=args.top_p,
-                              ignore_eos=args.ignore_eos, on_token=show, spec=args.spec, steps=args.steps,
-                              rounds_per_call=args.rounds_per_call)
-    print()
+def _summary(result, args) -> str:
     accept = f"; mean accept length {result.mean_accept_len:.2f} over {len(result.accept_lens)} rounds" \
         if args.spec else ""
-    print(f"{len(result.tokens)} tokens ({result.stop_reason}); prompt {result.prompt_len}; "
-          f"TTFT {result.ttft_s * 1e3:.1f} ms; TPOT mean {result.tpot_mean_s * 1e3:.2f} ms, "
-          f"median {result.tpot_median_s * 1e3:.2f} ms{accept} (first call includes compilation)", file=sys.stderr)
+    return (f"{len(result.tokens)} tokens ({result.stop_reason}); prompt {result.prompt_len}; "
+            f"TTFT {result.ttft_s * 1e3:.1f} ms; TPOT mean {result.tpot_mean_s * 1e3:.2f} ms, "
+            f"median {result.tpot_median_s * 1e3:.2f} ms{accept} (first call includes compilation)")
+
+
+# ---- commands -----------------------------------------------------------------------------------------
+def cmd_generate(args) -> int:
+    from lingjax import requests
+
+    cfg, _, name, tokenizer = _source(args)
+    text = _prompt_text(args)
+    if text is None and args.prompt_ids is None:
+        raise UsageError("give a prompt: --prompt TEXT, --prompt-file FILE (- for stdin), --prompt-ids IDS, "
+                         "or text on stdin")
+    if not args.chat and (args.system is not None or args.chat_option):
+        raise UsageError("--system and --chat-option have no effect without --chat")
+    if text is not None:
+        if tokenizer is None:
+            raise UsageError(f"{name} has no tokenizer (no tokenizer.json): give --prompt-ids")
+        if not text:
+            raise UsageError("the prompt is empty")
+        if args.chat:
+            text = _render(tokenizer, name, _messages(args.system, text), _chat_kwargs(args))
+        ids = tokenizer.encode(text)
+    else:
+        if args.chat:
+            raise UsageError("--chat renders a text prompt; --prompt-ids are used as given")
+        ids = args.prompt_ids
+    prompt = requests.check_prompt_ids(ids, cfg.vocab_size)
+    _check_request(cfg, prompt.size, args, name)
+    as_ids = args.ids or tokenizer is None
+
+    model = _load(args, name, tokenizer)
+    import lingjax
+
+    out = sys.stdout
+    state = {"first": True, "last": "\n"}
+
+    def show_id(token: int) -> None:
+        out.write(("" if state["first"] else " ") + str(token))
+        out.flush()
+        state["first"] = False
+
+    def show_text(piece: str) -> None:
+        out.write(piece)
+        out.flush()
+        state["last"] = piece[-1]
+
+    stops = set(args.stop_ids) | (set() if args.ignore_eos else set(tokenizer.stop_ids if tokenizer
+                                                                       else cfg.eos_token_ids))
+    kwargs = _generation_kwargs(args)
+    if as_ids:
+        result = lingjax.generate(model, prompt.tolist(),
+                                  on_token=lambda t: None if stops and t in stops else show_id(t), **kwargs)
+        out.write("\n")
+    else:
+        result = lingjax.generate(model, prompt.tolist(), on_text=show_text, **kwargs)
+        if state["last"] != "\n":
+            out.write("\n")
+    out.flush()
+    print(_summary(result, args), file=sys.stderr)
     return 0
+
+
+def cmd_chat(args) -> int:
+    from lingjax.chat_repl import ChatSession
+
+    cfg, _, name, tokenizer = _source(args)
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise UsageError(f"{name} has no chat template (tokenizer_config.json chat_template): use "
+                         "lingjax generate")
+    _check_request(cfg, 1, args, name)
+    _render(tokenizer, name, _messages(args.system, "hello"), _chat_kwargs(args))  # the options render
+    model = _load(args, name, tokenizer)
+    session = ChatSession(model, system=args.system, template_kwargs=_chat_kwargs(args),
+                          generation_kwargs=_generation_kwargs(args))
+    return session.run(sys.stdin, sys.stdout, sys.stderr)
 
 
 def cmd_convert(args) -> int:
     from lingjax.checkpoint import convert
+    from lingjax.progress import Progress
 
     import jax.numpy as jnp
 
-    convert(args.hf_dir, args.out_dir, dtype=getattr(jnp, args.dtype), progress=_progress("converting parameters"))
+    convert(args.hf_dir, args.out_dir, dtype=getattr(jnp, args.dtype), progress=Progress("converting parameters"))
     print(f"wrote {args.out_dir}", file=sys.stderr)
     return 0
 
@@ -89,55 +285,59 @@ def cmd_info(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     import lingjax
 
     parser = _Parser(prog="lingjax", description=__doc__, **_HELP)
     parser.add_argument("--version", action="version", version=f"lingjax {lingjax.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    g = sub.add_parser("generate", help="greedy or sampled generation, streaming token ids", **_HELP)
+    g = sub.add_parser("generate", help="complete a prompt, streaming text (or token ids with --ids)", **_HELP)
     _add_model_args(g)
-    g.add_argument("--prompt-ids", type=_ids, required=True, help='prompt token ids, e.g. "1 2 3"')
-    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
-    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (and preset weights' seed)")
-    g.add_argument("--stop-ids", type=_ids, default=[], help="extra stop token ids")
-    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's EOS ids")
-    g.add_argument("--spec", choices=["nextn"], default=None, help="speculate with the MTP layer")
-    g.add_argument("--steps", type=int, default=5, help="drafts per speculative round (verify width steps+1)")
-    g.add_argument("--rounds-per-call", type=int, default=1,
-                   help="speculative rounds (or decode steps) per device call: the host's cost per call is "
-                        "shared; tokens arrive in bursts, the same tokens either way")
-    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
-    g.add_argument("--kernels", choices=["auto", "xla", "pallas"], default="auto",
-                   help="auto: the Pallas kernels on a GPU, the XLA references elsewhere")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
-    g.add_argument("--router-precision", choices=["f32", "bf16"], default="f32",
-                   help="MoE gate GEMV operands (bf16: faster, a declared rounding change)")
+    prompt = g.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="prompt text (without a --prompt*: text on stdin)")
+    prompt.add_argument("--prompt-file", type=Path, default=None, help="read the prompt text from a file (- stdin)")
+    prompt.add_argument("--prompt-ids", type=_ids, default=None, help='prompt token ids, e.g. "1 2 3"')
+    g.add_argument("--chat", action="store_true", help="apply the chat template: the prompt is a user turn")
+    _add_chat_args(g)
+    g.add_argument("--ids", action="store_true", help="print token ids (space separated) instead of text")
+    _add_run_args(g, max_new_tokens=128)
     g.set_defaults(run=cmd_generate)
 
-    c = sub.add_parser("convert", help="official safetensors checkpoint -> lingjax (orbax) checkpoint", **_HELP)
-    c.add_argument("hf_dir", type=Path)
-    c.add_argument("out_dir", type=Path)
-    c.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the saved weights")
-    c.set_defaults(run=cmd_convert)
+    c = sub.add_parser("chat", help="interactive multi-turn chat (Ctrl-C stops a reply, Ctrl-D quits)", **_HELP)
+    _add_model_args(c)
+    _add_chat_args(c)
+    _add_run_args(c, max_new_tokens=512)
+    c.set_defaults(run=cmd_chat)
+
+    v = sub.add_parser("convert", help="official safetensors checkpoint -> lingjax (orbax) checkpoint", **_HELP)
+    v.add_argument("hf_dir", type=Path)
+    v.add_argument("out_dir", type=Path)
+    v.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the saved weights")
+    v.set_defaults(run=cmd_convert)
 
     i = sub.add_parser("info", help="config summary and parameter count (abstract: no memory used)", **_HELP)
     _add_model_args(i)
     i.set_defaults(run=cmd_info)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from lingjax.chat_template import ChatError
     from lingjax.checkpoint import CheckpointError
     from lingjax.config import ConfigError
+    from lingjax.tokenizer import TokenizerError
 
     try:
         return args.run(args)
-    except (CheckpointError, ConfigError, FileNotFoundError, NotImplementedError, ValueError) as e:
+    except (CheckpointError, ConfigError, TokenizerError, ChatError, UsageError, FileNotFoundError,
+            NotImplementedError, ValueError) as e:
         print(f"lingjax: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

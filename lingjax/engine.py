@@ -21,15 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lingjax import requests
 from lingjax.config import VERIFY_ROWS
-from lingjax.runtime import Model, _check_ids
+from lingjax.detokenize import TextStream
+from lingjax.runtime import Model
 from lingjax.sampling import SamplingParams
 
 # Prompt tokens per prefill program (a power of two). Each chunk touches every routed expert, so each
 # reads all the weights: fewer, longer chunks read them fewer times (docs/engine.md).
 PREFILL_CHUNK = 2048
 MIN_CAPACITY = 256
-SPEC_METHODS = ("nextn",)
 
 
 @dataclasses.dataclass
@@ -43,6 +44,7 @@ class GenerationResult:
     total_s: float  # submit -> last token on the host
     token_times_s: list[float]  # per token, from submit (tokens of one step share its gap evenly)
     accept_lens: list[int] = dataclasses.field(default_factory=list)  # per speculative round read
+    text: str | None = None  # the new tokens but a stop token as text (special tokens left out); None: no tokenizer
 
     @property
     def tokens_per_s(self) -> float:
@@ -109,7 +111,7 @@ def plain_prefill(model: Model, prompt: np.ndarray, max_new_tokens: int, samplin
     prefill, _ = model.step_programs(sampling)
     cache = model.new_cache(cache_capacity(prompt.size, max_new_tokens, rounds_per_call, chunk))
     for start, tokens, n_valid, _ in _prompt_chunks(prompt, chunk):
-        token, cache = prefill(model.weights, cache, jnp.asarray(tokens), jnp.int32(start), jnp.int32(n_valid), key)
+        token, cache = prefill(model.weights, cache, *model.put((tokens, np.int32(start), np.int32(n_valid))), key)
     return token, cache
 
 
@@ -122,7 +124,7 @@ def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key, round
                                  rounds_per_call, chunk)
     pending, produced = token, 0
     start_host_copy(pending)
-    pos = jnp.int32(prompt.size)
+    pos = model.put(np.int32(prompt.size))
     while True:
         if produced + 1 < max_new_tokens:  # run ahead: launch the next call before reading this one
             new, token, pos, cache = decode(model.weights, cache, token, pos, base_key)
@@ -144,15 +146,16 @@ def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tok
 
     # a call of rounds_per_call rounds advances s by up to that many verify widths
     capacity = cache_capacity(prompt.size, max_new_tokens, (drafter.steps + 1) * program.rounds_per_call, chunk)
-    cache, draft = model.new_cache(capacity), drafter.init(model.module, capacity)
+    cache, draft = model.new_cache(capacity), model.put(drafter.init(model.module, capacity))
     for start, tokens, n_valid, last in _prompt_chunks(prompt, chunk):
         after = 0 if last else int(prompt[start + n_valid])
-        bonus, cache, draft = program.prefill_chunk(model.weights, cache, draft, jnp.asarray(tokens), jnp.int32(start),
-                                                    jnp.int32(n_valid), jnp.int32(after), base_key, last=last)
+        host = model.put((tokens, np.int32(start), np.int32(n_valid), np.int32(after)))
+        bonus, cache, draft = program.prefill_chunk(model.weights, cache, draft, *host, base_key, last=last)
     # the state is donated to the first round: it gets its own copies of the token the host reads
     # and of the caller's key
-    state = SpecState(cache=cache, draft=draft, s=jnp.int32(prompt.size), bonus=jnp.copy(bonus),
-                      round=jnp.int32(0), key=jax.random.clone(base_key))
+    s, round_ = model.put((np.int32(prompt.size), np.int32(0)))
+    state = SpecState(cache=cache, draft=draft, s=s, bonus=jnp.copy(bonus), round=round_,
+                      key=jax.random.clone(base_key))
     return bonus, state
 
 
@@ -185,35 +188,47 @@ def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafte
         pending = out
 
 
-def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-             seed: int = 0, stop_ids: Sequence[int] = (), *, top_k: int = 0, top_p: float = 1.0,
-             ignore_eos: bool = False, on_token: Callable[[int], None] | None = None,
-             spec: str | None = None, steps: int = 5, drafter=None, rounds_per_call: int = 1,
+def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
+             stop_ids: Sequence[int] = (), *, top_k: int = 0, top_p: float = 1.0, ignore_eos: bool = False,
+             on_token: Callable[[int], None] | None = None, on_text: Callable[[str], None] | None = None,
+             spec: str | None = None, steps: int | None = None, drafter=None, rounds_per_call: int = 1,
              prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
-    """Generate up to max_new_tokens after prompt_ids.
+    """Generate up to max_new_tokens after `prompt`: text (encoded with model.tokenizer) or token ids.
 
-    Stops at any of stop_ids or the config's EOS ids (unless ignore_eos); on_token(id) is called as
-    each token reaches the host. spec="nextn" speculates with the MTP layer, `steps` drafts a round
-    (greedy output is identical to spec=None); `drafter` plugs in any other drafter object.
-    rounds_per_call > 1 runs that many speculative rounds (or plain decode steps) per device call: the
-    host's fixed cost per call is shared, tokens reach the host in bursts of that many rounds, and the
-    tokens are the same either way. prefill_chunk: prompt tokens per prefill program, a power of two of at
-    least 2 * VERIFY_ROWS (longer chunks read the experts' weights fewer times; every program compiles once
-    per chunk length).
+    Stops at any of stop_ids or the tokenizer's stop ids (the config's EOS ids without a tokenizer) unless
+    ignore_eos. on_token(id) is called as each token reaches the host; on_text(str) with the new text of each
+    device call (streamed exactly: lingjax.detokenize), so under speculation text arrives in bursts of accepted
+    tokens. spec="nextn" speculates with the MTP layer, `steps` drafts a round (5 unless given; greedy output
+    is identical to spec=None); `drafter` plugs in any other drafter object. rounds_per_call > 1 runs that many
+    speculative rounds (or plain decode steps) per device call: the host's fixed cost per call is shared and
+    the tokens are the same either way. prefill_chunk: prompt tokens per prefill program, a power of two of at
+    least 2 * VERIFY_ROWS. Every argument is checked (lingjax.requests) before the prompt reaches the device.
     """
-    prompt = np.asarray(list(prompt_ids), dtype=np.int32)
-    if prompt.size == 0:
-        raise ValueError("prompt_ids is empty")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    tokenizer = model.tokenizer
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"{model.source or 'this model'} has no tokenizer (no tokenizer.json): give token ids")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        prompt = tokenizer.encode(prompt)
+    prompt = requests.check_prompt_ids(prompt, model.cfg.vocab_size)
+    if drafter is not None and spec is not None:
+        raise ValueError("give spec or drafter, not both")
+    steps = requests.check_generation(model.cfg, prompt_len=prompt.size, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, top_k=top_k, top_p=top_p, spec=spec, steps=steps,
+                                      rounds_per_call=rounds_per_call, has_mtp=model.has_mtp)
     check_prefill_chunk(prefill_chunk)
-    _check_ids(prompt, model.cfg.vocab_size)
+    stops = requests.check_stop_ids(stop_ids, model.cfg.vocab_size)
+    if not ignore_eos:
+        stops |= set(tokenizer.stop_ids if tokenizer is not None else model.cfg.eos_token_ids)
     sampling = SamplingParams(temperature, top_k, top_p)
-    stops = set(int(s) for s in stop_ids) | (set() if ignore_eos else set(model.cfg.eos_token_ids))
-    base_key = jax.random.key(seed)
+    base_key = model.put(jax.random.key(seed))
     accept_lens: list[int] = []
-    if spec is not None and drafter is None:
-        drafter = _make_drafter(model, spec, steps)
+    if spec is not None:
+        drafter = make_drafter(model, spec, steps)
+    stream = TextStream(tokenizer) if tokenizer is not None else None
+    if on_text is not None and stream is None:
+        raise ValueError(f"on_text needs a tokenizer, and {model.source or 'this model'} has none")
 
     t0 = time.perf_counter()
     if drafter is None:
@@ -227,8 +242,10 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
     for step_tokens in steps_iter:
         now = time.perf_counter() - t0
         last = times[-1] if times else 0.0
+        kept = 0
         for j, value in enumerate(step_tokens, 1):
             tokens.append(value)
+            kept += 1
             times.append(last + (now - last) * j / len(step_tokens))
             if on_token:
                 on_token(value)
@@ -237,9 +254,17 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
                 break
             if len(tokens) >= max_new_tokens:
                 break
+        if stream is not None:  # the stop token is not text
+            new = stream.push(step_tokens[:kept - 1] if stop_reason == "stop" else step_tokens[:kept])
+            if on_text and new:
+                on_text(new)
         if stop_reason == "stop" or len(tokens) >= max_new_tokens:
             break
     steps_iter.close()
+    if stream is not None:
+        rest = stream.flush()
+        if on_text and rest:
+            on_text(rest)
     # rounds the device ran past the last kept token (a stop, max_new_tokens, the rest of a call) do
     # not count: keep the shortest prefix of rounds that covers the tokens after the first
     covered = np.cumsum(accept_lens)
@@ -255,17 +280,30 @@ def generate(model: Model, prompt_ids: Sequence[int], max_new_tokens: int, tempe
         total_s=times[-1],
         token_times_s=times,
         accept_lens=accept_lens,
+        text=stream.text if stream is not None else None,
     )
 
 
-def _make_drafter(model: Model, spec: str, steps: int):
-    if spec not in SPEC_METHODS:
-        raise ValueError(f"spec must be one of {SPEC_METHODS} or None, got {spec!r}")
-    if not 1 <= steps <= VERIFY_ROWS - 1:
-        raise ValueError(f"steps must be in [1, {VERIFY_ROWS - 1}] (verify width steps+1 <= {VERIFY_ROWS}), got {steps}")
-    if not model.has_mtp:
-        raise ValueError(f"spec={spec!r} needs the MTP layer (model.layers.{model.cfg.mtp_layer_id}.*), which "
-                         f"{model.source or 'this checkpoint'} does not have; generate without spec")
+def chat(model: Model, messages, max_new_tokens: int = 256, *, add_generation_prompt: bool = True,
+         template_kwargs: dict | None = None, **kwargs) -> GenerationResult:
+    """The assistant's next turn after `messages` ([{"role": "user", "content": "..."}, ...]): the model's chat
+    template renders them (lingjax.chat_template.render; template_kwargs such as {"enable_thinking": False} reach the
+    template), then generate(model, prompt, max_new_tokens, **kwargs)."""
+    from lingjax.chat_template import ChatError, render
+
+    tokenizer = model.tokenizer
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise ChatError(f"{model.source or 'this model'} has no chat template (tokenizer_config.json "
+                        "chat_template)")
+    text = render(tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                  special_tokens=tokenizer.special_tokens, **(template_kwargs or {}))
+    return generate(model, text, max_new_tokens, **kwargs)
+
+
+def make_drafter(model: Model, spec: str, steps: int):
+    """The drafter object of a spec method at `steps` drafts a round (checked as generate checks them)."""
+    steps = requests.check_generation(model.cfg, prompt_len=1, max_new_tokens=1, spec=spec, steps=steps,
+                                      has_mtp=model.has_mtp)
     from lingjax.spec.drafters import NextnDrafter
 
     return NextnDrafter(steps=steps)

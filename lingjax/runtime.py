@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from lingjax import checkpoint, sharding, target
@@ -28,6 +29,11 @@ from lingjax import kernels as kernel_sets
 from lingjax.execution import Exec, Tuning
 from lingjax.model import LingModel, abstract_model, draw, param_count
 from lingjax.sampling import SamplingParams, sample
+from lingjax.memory import check_fits
+from lingjax.requests import check_prompt_ids
+from lingjax.tokenizer import Tokenizer
+
+log = logging.getLogger("lingjax")
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -116,10 +122,12 @@ class Model:
     and every program body runs inside shard_map. lingjax.load builds one; `variant` derives another over the
     same weights that runs differently (an A/B inside one process)."""
 
-    def __init__(self, module: LingModel, options: RunOptions | None = None, *, mesh=None, source: str = ""):
+    def __init__(self, module: LingModel, options: RunOptions | None = None, *, mesh=None, source: str = "",
+                 tokenizer: Tokenizer | None = None):
         self.module = module
         self.cfg: LingConfig = module.cfg
         self.source = source
+        self.tokenizer = tokenizer  # text <-> ids (lingjax.tokenizer); None: this model takes token ids only
         self.mesh = mesh
         self.tp = 1 if mesh is None else mesh.size
         if mesh is not None:
@@ -132,7 +140,15 @@ class Model:
         leaves, self._param_treedef = jax.tree.flatten(params)
         self.weights = tuple(leaves)  # what every program takes; `params` is the structured view
         self.weight_specs = tuple(self._param_treedef.flatten_up_to(param_specs))
+        self._host_sharding = (NamedSharding(mesh, P()) if mesh is not None
+                               else SingleDeviceSharding(next(iter(self.weights[0].devices()))))
         self._set_options(options or RunOptions())
+
+    def put(self, tree):
+        """Host values (numpy arrays, scalars, keys, fresh caches) onto the programs' devices, committed as the
+        programs' outputs are: a program's first call, on host values, and its later calls, on the previous
+        call's outputs, then see the same argument placement and compile once."""
+        return jax.device_put(tree, self._host_sharding)
 
     def _set_options(self, options: RunOptions) -> None:
         """Adopt `options` and start with no compiled program."""
@@ -182,7 +198,7 @@ class Model:
 
     def new_cache(self, capacity: int) -> ModelCache:
         cache = init_cache(self.cfg, capacity, self.dtype)
-        return sharding.place(cache, self.cache_specs, self.mesh) if self.mesh is not None else cache
+        return sharding.place(cache, self.cache_specs, self.mesh) if self.mesh is not None else self.put(cache)
 
     def step_programs(self, sampling: SamplingParams, rounds_per_call: int = 1):
         """(prefill, decode) jitted for this sampling (built once, then reused):
@@ -247,11 +263,8 @@ class Model:
     # ---- public -----------------------------------------------------------------------------
     def logits(self, token_ids) -> np.ndarray:
         """One full forward over token_ids with no cache carried over -> float32 [T, vocab]."""
-        tokens = jnp.asarray(np.asarray(token_ids, dtype=np.int32).reshape(-1))
-        if tokens.shape[0] == 0:
-            raise ValueError("token_ids is empty")
-        _check_ids(tokens, self.cfg.vocab_size)
-        logits, _ = self._extend_logits(self.weights, self.new_cache(tokens.shape[0]), tokens, jnp.int32(0))
+        tokens = check_prompt_ids(token_ids, self.cfg.vocab_size)
+        logits, _ = self._extend_logits(self.weights, self.new_cache(tokens.size), *self.put((tokens, np.int32(0))))
         return np.asarray(logits)
 
     def incremental_logits(self, token_ids, prompt_len: int) -> np.ndarray:
@@ -259,42 +272,63 @@ class Model:
         then one T=1 step per later token against the caches -> float32 [T - prompt_len + 1, vocab].
         Equal to logits(token_ids)[prompt_len-1:] up to rounding (chunked vs recurrent KDA,
         expanded vs absorbed MLA)."""
-        tokens = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        tokens = check_prompt_ids(token_ids, self.cfg.vocab_size)
         if not 1 <= prompt_len <= tokens.size:
             raise ValueError(f"prompt_len must be in [1, {tokens.size}], got {prompt_len}")
-        _check_ids(tokens, self.cfg.vocab_size)
-        cache = self.new_cache(max(tokens.size, 1))
-        logits, cache = self._extend_logits(self.weights, cache, jnp.asarray(tokens[:prompt_len]), jnp.int32(0))
+        cache = self.new_cache(tokens.size)
+        logits, cache = self._extend_logits(self.weights, cache, *self.put((tokens[:prompt_len], np.int32(0))))
         rows = [np.asarray(logits[-1])]
         for pos in range(prompt_len, tokens.size):
-            logits, cache = self._extend_logits(self.weights, cache, jnp.asarray(tokens[pos : pos + 1]), jnp.int32(pos))
+            logits, cache = self._extend_logits(self.weights, cache, *self.put((tokens[pos : pos + 1], np.int32(pos))))
             rows.append(np.asarray(logits[0]))
         return np.stack(rows)
 
 
-def _check_ids(tokens, vocab: int) -> None:
-    bad = np.asarray(tokens)
-    bad = bad[(bad < 0) | (bad >= vocab)]
-    if bad.size:
-        raise ValueError(f"token ids {bad[:5].tolist()} are outside the vocabulary [0, {vocab})")
+# Models up to this many bytes of weights are drawn by one program; larger ones by one small program per
+# distinct leaf kind, reused across leaves (one program for all of Flash would hold its temporaries at once).
+# Random weights up to this many bytes are drawn on the host (numpy: no program to compile, the fastest
+# start for the small presets); up to ONE_PROGRAM_DRAW_BYTES in one device program; beyond, leaf by leaf.
+HOST_DRAW_BYTES = 64 << 20
+ONE_PROGRAM_DRAW_BYTES = 2 << 30
 
 
 def random_model(cfg: LingConfig, dtype, seed: int, mesh=None) -> LingModel:
-    """LingModel with random weights drawn on the device(s), leaf by leaf, each with the distribution
-    its constructor records (lingjax.model._Init). With a mesh every device draws only its own
-    shards (partitionable threefry: the same weights for any mesh), so a model larger than one
-    device, such as Flash at TP2, never exists whole anywhere. One small program per distinct
-    (shape, dtype, distribution, sharding), each compiled once."""
+    """LingModel with random weights, each leaf with the distribution its constructor records
+    (lingjax.model._Init) and its own stream (the seed and the leaf's index). Small models are drawn on the
+    host and placed; larger ones on the device(s), in one program or leaf by leaf, and with a mesh every
+    device draws only its own shards (partitionable threefry), so a model larger than one device, such as
+    Flash at TP2, never exists whole anywhere. The weights are a function of (config, dtype, seed): the same
+    for any mesh."""
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    base = jax.random.key(seed)
+    kinds = [(var.shape, jnp.dtype(var.dtype), var.random) for _, var in leaves]
+    outs = [None if mesh is None else NamedSharding(mesh, sharding.param_spec(sharding.path_keys(path)))
+            for path, _ in leaves]
+    total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt, _ in kinds)
+    if total <= HOST_DRAW_BYTES:
+        host = [host_draw(np.random.default_rng([seed, i]), *kind) for i, kind in enumerate(kinds)]
+        arrays = jax.device_put(host, outs if mesh is not None else None)
+    elif total <= ONE_PROGRAM_DRAW_BYTES:
+        base = jax.random.key(seed)
 
-    def make(i, path, var):
-        spec = sharding.param_spec(sharding.path_keys(path))
-        out = None if mesh is None else NamedSharding(mesh, spec)
-        return var.replace(_drawer(var.shape, jnp.dtype(var.dtype), var.random, out)(jax.random.fold_in(base, i)))
+        def draw_all(key):
+            return [draw(jax.random.fold_in(key, i), shape, dt, how) for i, (shape, dt, how) in enumerate(kinds)]
 
-    return nnx.merge(graphdef, treedef.unflatten([make(i, path, var) for i, (path, var) in enumerate(leaves)]))
+        arrays = jax.jit(draw_all, out_shardings=outs if mesh is not None else None)(base)
+    else:
+        base = jax.random.key(seed)
+        arrays = [_drawer(*kind, out)(jax.random.fold_in(base, i)) for i, (kind, out) in enumerate(zip(kinds, outs))]
+    return nnx.merge(graphdef, treedef.unflatten([var.replace(a) for (_, var), a in zip(leaves, arrays)]))
+
+
+def host_draw(rng: np.random.Generator, shape, dtype, how: tuple) -> np.ndarray:
+    """lingjax.model.draw's distributions with numpy: normal(mean, std) or log(uniform(low, high)), f32,
+    then rounded to dtype."""
+    if how[0] == "normal":
+        w = how[1] + how[2] * rng.standard_normal(shape, dtype=np.float32)
+    else:
+        w = np.log(rng.uniform(how[1], how[2], shape)).astype(np.float32)
+    return np.asarray(w, np.float32).astype(dtype)
 
 
 @functools.lru_cache(maxsize=256)
@@ -302,31 +336,57 @@ def _drawer(shape, dtype, how, out_sharding):
     return jax.jit(functools.partial(draw, shape=shape, dtype=dtype, how=how), out_shardings=out_sharding)
 
 
+def resolve(path_or_preset: str | Path) -> tuple[LingConfig, Path | None]:
+    """(config, checkpoint directory) of a preset name (directory None) or a checkpoint directory, read
+    without touching a weight: what the CLI checks a request against before loading anything."""
+    source = str(path_or_preset)
+    if source in PRESETS:
+        return preset(source), None
+    directory = Path(source)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{source!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")
+    if not (directory / "config.json").exists():
+        raise checkpoint.CheckpointError(f"{directory}: no config.json")
+    return LingConfig.from_file(directory / "config.json"), directory
+
+
+def source_tokenizer(cfg: LingConfig, directory: Path | None, name: str) -> Tokenizer | None:
+    """The tokenizer a model source carries: a checkpoint's own files (None, said once, when it has no
+    tokenizer.json), or the byte-level tokenizer of a preset."""
+    if directory is None:
+        return Tokenizer.byte_level(cfg, source=f"byte-level, preset {name}")
+    tokenizer = Tokenizer.from_dir(directory, cfg)
+    if tokenizer is None:
+        log.warning("lingjax: %s has no tokenizer.json: token ids in and out only", directory)
+    return tokenizer
+
+
+_OWN = object()  # load(tokenizer=...) default: the source's own tokenizer
+
+
 def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "auto", seed: int = 0,
-         progress=None, tp: int = 1, router_precision: str = "f32") -> Model:
+         progress=None, tp: int = 1, router_precision: str = "f32", tokenizer=_OWN) -> Model:
     """Load a model: a preset name (random weights: {presets}), a directory in the official
     safetensors layout, or a lingjax (orbax) checkpoint written by `lingjax convert`. tp > 1 shards
     it over that many devices (safetensors stream each tensor straight into its shards).
     kernels: "auto" (Pallas on a GPU, the XLA references elsewhere), "pallas" or "xla".
     router_precision="bf16" runs the MoE gate GEMV on bf16 operands (faster; a declared rounding
-    change, so parity tests keep the default "f32"). Every argument is checked before any weight is read."""
+    change, so parity tests keep the default "f32"). tokenizer: a lingjax.Tokenizer (or None) in place of
+    the source's own. Every argument is checked, and the model's size against the free device memory,
+    before any weight is drawn or read."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     options = RunOptions(kernels=kernels, router_precision=router_precision)
     jdtype = DTYPES[dtype]
     source = str(path_or_preset)
-    directory = Path(source)
-    if source in PRESETS:
-        cfg = preset(source)
-    elif not directory.is_dir():
-        raise FileNotFoundError(f"{source!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")
-    elif not (directory / "config.json").exists():
-        raise checkpoint.CheckpointError(f"{directory}: no config.json")
-    else:
-        cfg = LingConfig.from_file(directory / "config.json")
+    cfg, directory = resolve(source)
     mesh = sharding.mesh_for(cfg, tp)  # every parameter goes straight into its shards
-    if source in PRESETS:
-        return Model(random_model(cfg, jdtype, seed, mesh), options, mesh=mesh, source=f"preset:{source}")
+    check_fits(cfg, jdtype, tp, source)
+    if tokenizer is _OWN:
+        tokenizer = source_tokenizer(cfg, directory, source)  # read before the weights: a bad file fails fast
+    if directory is None:
+        return Model(random_model(cfg, jdtype, seed, mesh), options, mesh=mesh, source=f"preset:{source}",
+                     tokenizer=tokenizer)
     sharding_for = place = None
     if mesh is not None:
 
@@ -340,7 +400,7 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "au
         module = checkpoint.load_orbax(directory, cfg, jdtype, sharding_for=sharding_for)
     else:
         module = checkpoint.load_safetensors(directory, cfg, jdtype, place=place, progress=progress)
-    return Model(module, options, mesh=mesh, source=str(directory))
+    return Model(module, options, mesh=mesh, source=str(directory), tokenizer=tokenizer)
 
 
 load.__doc__ = load.__doc__.format(presets=", ".join(sorted(PRESETS)))

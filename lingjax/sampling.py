@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from lingjax.execution import Exec
+from lingjax.requests import check_sampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,12 +16,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
 
     @property
     def greedy(self) -> bool:

@@ -41,6 +41,7 @@ def _compilation_cache() -> tuple[str, bool]:
 
 
 _CACHE_DIR, _MADE_CACHE = _compilation_cache()
+os.environ["LINGJAX_NO_CACHE"] = "1"  # the CLI under test keeps this session's cache, not the user's
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 
 
@@ -72,8 +73,10 @@ def pytest_terminal_summary(terminalreporter, config):
 SLOW = {
     "test_checkpoint": {
         "test_alternate_layouts_load_identically", "test_save_load_round_trip_and_orbax"},
+    "test_cli": {
+        "test_generate_speculative", "test_generate_tensor_parallel"},
     "test_generate": {
-        "test_cli_generate_speculative", "test_cli_generate_tensor_parallel", "test_decode_steps_per_call_same_tokens",
+        "test_decode_steps_per_call_same_tokens",
         "test_kernel_set_auto_and_bad_names", "test_pallas_kernels_give_the_same_model",
         "test_prompt_longer_than_one_prefill_chunk", "test_sampling_is_seeded_and_respects_top_k",
         "test_xla_ops_override_one_kernel"},

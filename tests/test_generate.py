@@ -7,7 +7,6 @@ import pytest
 
 import lingjax
 from conftest import rel_err
-from lingjax import cli
 from lingjax import engine as engine
 from lingjax.config import VERIFY_ROWS
 
@@ -78,16 +77,25 @@ def test_stop_ids_cut_generation():
     assert result.tokens == full[:cut] and result.stop_reason == "stop"
 
 
-def test_config_eos_stops_unless_ignored():
+def test_eos_stops_unless_ignored():
+    """The tokenizer's stop ids end generation (the config's EOS ids for a model without a tokenizer),
+    unless ignore_eos."""
+    import dataclasses
+
+    from lingjax.tokenizer import Tokenizer
+
     model = _tiny()
     prompt = _prompt(6, seed=2)
     full = lingjax.generate(model, prompt, 10, ignore_eos=True).tokens
-    import dataclasses
-
-    eos_model = model.variant()
-    eos_model.cfg = dataclasses.replace(model.cfg, eos_token_ids=(full[2],))
-    result = lingjax.generate(eos_model, prompt, 10)
-    assert result.tokens == full[: full.index(full[2]) + 1] and result.stop_reason == "stop"
+    cut = full[: full.index(full[2]) + 1]
+    with_tokenizer = model.variant()
+    with_tokenizer.tokenizer = Tokenizer.byte_level(dataclasses.replace(model.cfg, eos_token_ids=(full[2],)))
+    without = model.variant()
+    without.cfg, without.tokenizer = dataclasses.replace(model.cfg, eos_token_ids=(full[2],)), None
+    for eos_model in (with_tokenizer, without):
+        result = lingjax.generate(eos_model, prompt, 10)
+        assert result.tokens == cut and result.stop_reason == "stop"
+        assert lingjax.generate(eos_model, prompt, 10, ignore_eos=True).tokens == full
 
 
 def test_sampling_is_seeded_and_respects_top_k():
@@ -112,12 +120,12 @@ def test_host_reads_go_through_host_read(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, error", [
-    (dict(prompt_ids=[], max_new_tokens=3), "empty"),
-    (dict(prompt_ids=[1, 512], max_new_tokens=3), "outside the vocabulary"),
-    (dict(prompt_ids=[1], max_new_tokens=0), "max_new_tokens"),
-    (dict(prompt_ids=[1], max_new_tokens=2, rounds_per_call=0), "rounds_per_call must be >= 1"),
-    (dict(prompt_ids=[1], max_new_tokens=2, spec="nextn", rounds_per_call=0), "rounds_per_call must be >= 1"),
-    (dict(prompt_ids=[1], max_new_tokens=2, temperature=-1.0), "temperature"),
+    (dict(prompt=[], max_new_tokens=3), "empty"),
+    (dict(prompt=[1, 512], max_new_tokens=3), "outside the vocabulary"),
+    (dict(prompt=[1], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt=[1], max_new_tokens=2, rounds_per_call=0), "rounds_per_call must be >= 1"),
+    (dict(prompt=[1], max_new_tokens=2, spec="nextn", rounds_per_call=0), "rounds_per_call must be >= 1"),
+    (dict(prompt=[1], max_new_tokens=2, temperature=-1.0), "temperature"),
 ])
 def test_bad_requests(kwargs, error):
     with pytest.raises(ValueError, match=error):
@@ -171,69 +179,3 @@ def test_xla_ops_override_one_kernel():
     assert rel_err(experts_on_xla.incremental_logits(prompt, 18), want) < 1e-4  # no Pallas-only options reach it
     with pytest.raises(ValueError, match="unknown ops.*moe_route"):
         base.variant(kernels="pallas", xla_ops=("moe_rout",))
-
-
-def test_cli_generate_streams_tokens(capsys):
-    assert cli.main(["generate", "--model", "tiny", "--prompt-ids", "1 2 3", "--max-new-tokens", "5",
-                     "--ignore-eos"]) == 0
-    out, err = capsys.readouterr()
-    tokens = [int(t) for t in out.split()]
-    assert len(tokens) == 5 and all(0 <= t < 512 for t in tokens)
-    assert "TTFT" in err and "TPOT" in err
-    bf16 = lingjax.load("tiny", dtype="bfloat16", seed=0)
-    assert tokens == lingjax.generate(bf16, [1, 2, 3], 5, ignore_eos=True).tokens
-
-
-def test_cli_info_flash(capsys):
-    assert cli.main(["info", "--model", "flash"]) == 0
-    out = capsys.readouterr().out
-    assert "124.41 B without MTP" in out and "127.49 B with MTP" in out
-
-
-def test_cli_reports_bad_checkpoint(tmp_path, capsys):
-    (tmp_path / "config.json").write_text("{not json")
-    assert cli.main(["generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1"]) == 2
-    assert "lingjax: error:" in capsys.readouterr().err
-
-
-def test_cli_generate_speculative(capsys):
-    args = ["generate", "--model", "tiny", "--prompt-ids", "4 5 6", "--max-new-tokens", "7", "--ignore-eos",
-            "--dtype", "float32"]
-    assert cli.main(args) == 0
-    plain = capsys.readouterr().out.split()
-    assert cli.main(args + ["--spec", "nextn", "--steps", "3"]) == 0
-    out, err = capsys.readouterr()
-    assert out.split() == plain and "mean accept length" in err
-
-
-def test_cli_generate_tensor_parallel(capsys):
-    args = ["generate", "--model", "tiny", "--prompt-ids", "4 5 6", "--max-new-tokens", "5", "--ignore-eos",
-            "--dtype", "float32"]
-    assert cli.main(args) == 0
-    plain = capsys.readouterr().out.split()
-    assert cli.main(args + ["--tp", "2"]) == 0
-    assert capsys.readouterr().out.split() == plain
-
-
-def test_cli_version_and_one_line_usage_errors(capsys):
-    """--version prints lingjax's version; a bad value or choice is one `lingjax: error:` line and exit 2."""
-    with pytest.raises(SystemExit) as done:
-        cli.main(["--version"])
-    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"lingjax {lingjax.__version__}"
-    for argv in (["generate", "--model", "tiny", "--prompt-ids", "1 x"], ["generate", "--model", "tiny"],
-                 ["generate", "--model", "nope", "--prompt-ids", "1"], ["frobnicate"]):
-        with pytest.raises(SystemExit) as done:
-            cli.main(argv)
-        err = capsys.readouterr().err
-        assert done.value.code == 2 and err.startswith("lingjax: error: ") and err.count("\n") == 1, (argv, err)
-
-
-def test_cli_help_imports_no_jax():
-    """`lingjax generate --help` starts without importing jax, and shows the defaults."""
-    import subprocess
-    import sys
-
-    code = ("import sys, lingjax.cli\ntry: lingjax.cli.main(['generate', '--help'])\nexcept SystemExit: pass\n"
-            "print('jax imported' if 'jax' in sys.modules else 'no jax')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip().endswith("no jax") and "(default: 32)" in out

@@ -48,7 +48,7 @@ def _lowered_programs(cfg: LingConfig, capacity: int = 256, steps: int = 3):
     programs = [("decode", decode, (model.weights, cache, i32, i32, key)),
                 ("prefill", prefill, (model.weights, cache, jax.ShapeDtypeStruct((32,), jnp.int32), i32, i32, key))]
     if model.has_mtp:
-        drafter = engine._make_drafter(model, "nextn", steps)
+        drafter = engine.make_drafter(model, "nextn", steps)
         draft = jax.eval_shape(lambda: drafter.init(model.module, capacity))
         state = SpecState(cache=cache, draft=draft, s=i32, bonus=i32, round=i32, key=key)
         programs.append(("spec round", model.spec_program(drafter, SamplingParams()).round, (model.weights, state)))

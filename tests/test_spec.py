@@ -84,7 +84,7 @@ def test_decode_and_verify_reduce_alike():
     cache = jax.eval_shape(lambda: model.new_cache(64))
     i32, key = jax.ShapeDtypeStruct((), jnp.int32), jax.eval_shape(lambda: jax.random.key(0))
     _, decode = model.step_programs(SamplingParams(), 1)
-    drafter = engine._make_drafter(model, "nextn", 3)
+    drafter = engine.make_drafter(model, "nextn", 3)
     state = SpecState(cache=cache, draft=jax.eval_shape(lambda: drafter.init(model.module, 64)), s=i32, bonus=i32,
                       round=i32, key=key)
     spec_round = model.spec_program(drafter, SamplingParams(), 1).round
@@ -293,7 +293,7 @@ def test_host_loop_reads_only_through_host_read_and_runs_ahead(monkeypatch):
     model = _tiny()
     prompt = _prompt(9, 9)
     lingjax.generate(model, prompt, 30, ignore_eos=True, spec="nextn", steps=3)  # compile first
-    program = model.spec_program(engine._make_drafter(model, "nextn", 3), SamplingParams())
+    program = model.spec_program(engine.make_drafter(model, "nextn", 3), SamplingParams())
     events, allowed = [], [False]
 
     def forbid(name):

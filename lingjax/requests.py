@@ -1,0 +1,80 @@
+"""Checks of a generation request, made before any work: the CLI runs them before a weight is read, the API
+before the prompt reaches the device. Each raises ValueError with a message that names the argument."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import numpy as np
+
+from lingjax.config import VERIFY_ROWS, LingConfig
+
+SPEC_METHODS = ("nextn",)
+DEFAULT_STEPS = 5
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k}")
+    if not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:  # NaN fails the comparison too
+        raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p}")
+
+
+def check_prompt_ids(ids, vocab_size: int) -> np.ndarray:
+    """ids: a non-empty sequence of integers in [0, vocab_size) -> int32 [T]. Floats and bools are errors, not
+    truncated."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError("prompt token ids must be a sequence of integers, got text")
+    values = list(ids) if not isinstance(ids, np.ndarray) else ids.reshape(-1).tolist()
+    if not values:
+        raise ValueError("the prompt is empty")
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers, got {bad[:3]!r}")
+    out = np.asarray(values, dtype=np.int64)
+    outside = out[(out < 0) | (out >= vocab_size)]
+    if outside.size:
+        raise ValueError(f"token ids {outside[:5].tolist()} are outside the vocabulary [0, {vocab_size})")
+    return out.astype(np.int32)
+
+
+def check_stop_ids(ids: Sequence[int], vocab_size: int) -> set[int]:
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"stop ids {bad[:5]} are not ids of the vocabulary [0, {vocab_size})")
+    return {int(i) for i in ids}
+
+
+def check_generation(cfg: LingConfig, *, prompt_len: int, max_new_tokens: int, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, spec: str | None = None, steps: int | None = None,
+                     rounds_per_call: int = 1, has_mtp: bool | None = None) -> int:
+    """Everything about a request but the prompt's ids; returns the drafts per round (0 without spec).
+    Options that would have no effect are errors, so a typo never silently changes nothing."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0 and (top_k != 0 or top_p != 1.0):
+        raise ValueError("top_k and top_p have no effect at temperature 0 (greedy); set a temperature > 0")
+    if isinstance(rounds_per_call, bool) or not isinstance(rounds_per_call, numbers.Integral) or rounds_per_call < 1:
+        raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
+    if prompt_len + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) is past the "
+                         f"model's maximum length of {cfg.max_position_embeddings} tokens")
+    if spec is None:
+        if steps is not None:
+            raise ValueError("steps (drafts per speculative round) has no effect without spec; add spec='nextn'")
+        return 0
+    if spec not in SPEC_METHODS:
+        raise ValueError(f"spec must be one of {SPEC_METHODS} or None, got {spec!r}")
+    steps = DEFAULT_STEPS if steps is None else steps
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps <= VERIFY_ROWS - 1:
+        raise ValueError(f"steps must be in [1, {VERIFY_ROWS - 1}] (verify width steps+1 <= {VERIFY_ROWS}), "
+                         f"got {steps}")
+    if cfg.num_nextn_predict_layers < 1 or has_mtp is False:
+        raise ValueError(f"spec={spec!r} needs the MTP layer (model.layers.{cfg.mtp_layer_id}.*), which this "
+                         "model does not have; generate without spec")
+    return int(steps)

@@ -1,0 +1,238 @@
+"""The command line: text and ids out, chat, and every bad request refused in one line before any model work."""
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import ling_tokenizer
+import lingjax
+from conftest import FIXTURES
+from lingjax import checkpoint, cli, memory, runtime
+from lingjax.chat_repl import ChatSession
+from lingjax.config import LingConfig
+
+
+def _run(argv, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `lingjax ARGV`, argparse's own exits included."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as done:
+        code = done.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def no_model_work(monkeypatch):
+    """Any weight drawn or read fails the test: a refused request must be refused before that."""
+
+    def model_work(*args, **kwargs):
+        raise AssertionError("model work started before the request was refused")
+
+    monkeypatch.setattr(runtime, "random_model", model_work)
+    monkeypatch.setattr(checkpoint, "load_safetensors", model_work)
+    monkeypatch.setattr(checkpoint, "load_orbax", model_work)
+
+
+@pytest.fixture
+def ling_dir(tmp_path):
+    """tiny_official's weights with a Ling-3-layout tokenizer and chat template beside them."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "tiny_official", d)
+    ids = ling_tokenizer.write(d, LingConfig.from_file(d / "config.json").vocab_size)
+    return d, ids
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+# ---- output -------------------------------------------------------------------------------------------
+def test_generate_prints_text_equal_to_the_decoded_tokens(capsys):
+    code, out, err = _run(["generate", "--model", "tiny", "--prompt", "hello", "--max-new-tokens", "6",
+                           "--ignore-eos"], capsys)
+    assert code == 0 and "TTFT" in err and "TPOT" in err
+    model = lingjax.load("tiny", seed=0)
+    result = lingjax.generate(model, "hello", 6, ignore_eos=True)
+    want = result.text if result.text.endswith("\n") else result.text + "\n"
+    assert out == want and result.text == model.tokenizer.decode(result.tokens)
+
+
+def test_generate_ids_stream_without_the_stop_token(capsys):
+    model = lingjax.load("tiny", seed=0)
+    tokens = lingjax.generate(model, [1, 2, 3], 5, ignore_eos=True).tokens
+    code, out, _ = _run(["generate", "--model", "tiny", "--prompt-ids", "1 2 3", "--max-new-tokens", "5",
+                         "--ignore-eos", "--ids"], capsys)
+    assert code == 0 and out == " ".join(map(str, tokens)) + "\n"  # no trailing space
+    stop = tokens[2]
+    code, out, _ = _run(["generate", "--model", "tiny", "--prompt-ids", "1 2 3", "--max-new-tokens", "5",
+                         "--ignore-eos", "--ids", "--stop-ids", str(stop)], capsys)
+    cut = tokens[:tokens.index(stop)]
+    assert code == 0 and out == " ".join(map(str, cut)) + "\n"
+
+
+def test_prompt_from_file_and_stdin_equal_prompt_text(tmp_path, capsys, monkeypatch):
+    argv = ["generate", "--model", "tiny", "--max-new-tokens", "4", "--ignore-eos"]
+    _, want, _ = _run(argv + ["--prompt", "naïve 🙂"], capsys)
+    (tmp_path / "p.txt").write_text("naïve 🙂", encoding="utf-8")
+    assert _run(argv + ["--prompt-file", str(tmp_path / "p.txt")], capsys)[1] == want
+    monkeypatch.setattr(sys, "stdin", io.StringIO("naïve 🙂"))
+    assert _run(argv, capsys)[1] == want
+
+
+def test_generate_chat_applies_the_template(ling_dir, capsys):
+    d, ids = ling_dir
+    code, out, _ = _run(["generate", "--checkpoint", str(d), "--prompt", "hi", "--chat", "--system", "be brief",
+                         "--chat-option", "enable_thinking=false", "--max-new-tokens", "5", "--ignore-eos",
+                         "--ids"], capsys)
+    model = lingjax.load(d, seed=0)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    result = lingjax.chat(model, messages, max_new_tokens=5, ignore_eos=True,
+                          template_kwargs={"enable_thinking": False})
+    assert code == 0 and out.split() == [str(t) for t in result.tokens]
+
+
+def test_chat_command_answers_each_line(ling_dir, capsys, monkeypatch):
+    d, _ = ling_dir
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/reset\nagain\n"))
+    code, out, err = _run(["chat", "--checkpoint", str(d), "--max-new-tokens", "4", "--ignore-eos"], capsys)
+    model = lingjax.load(d, seed=0)
+    first = lingjax.chat(model, [{"role": "user", "content": "hello"}], max_new_tokens=4, ignore_eos=True).text
+    again = lingjax.chat(model, [{"role": "user", "content": "again"}], max_new_tokens=4, ignore_eos=True).text
+    assert code == 0 and out == first + "\n" + again + "\n" and "conversation cleared" in err
+
+
+def test_ctrl_c_stops_a_reply_and_keeps_the_session():
+    calls = []
+
+    def generate(model, messages, on_text, **kwargs):
+        calls.append([dict(m) for m in messages])
+        on_text("partial")
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        on_text(" answer")
+
+    session = ChatSession(model=None, generate=generate)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    assert session.run(io.StringIO("first\nsecond\n"), stdout, stderr) == 0
+    assert stdout.getvalue() == "partial [stopped]\npartial answer\n"
+    assert calls[1] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "partial"},
+                        {"role": "user", "content": "second"}]
+
+
+def test_info_flash(capsys):
+    code, out, _ = _run(["info", "--model", "flash"], capsys)
+    assert code == 0 and "124.41 B without MTP" in out and "127.49 B with MTP" in out
+
+
+def test_generate_speculative(capsys):
+    args = ["generate", "--model", "tiny", "--prompt-ids", "4 5 6", "--max-new-tokens", "7", "--ignore-eos",
+            "--dtype", "float32", "--ids"]
+    plain = _run(args, capsys)[1]
+    code, out, err = _run(args + ["--spec", "nextn", "--steps", "3"], capsys)
+    assert code == 0 and out == plain and "mean accept length" in err
+
+
+def test_generate_tensor_parallel(capsys):
+    args = ["generate", "--model", "tiny", "--prompt-ids", "4 5 6", "--max-new-tokens", "5", "--ignore-eos",
+            "--dtype", "float32", "--ids"]
+    plain = _run(args, capsys)[1]
+    assert _run(args + ["--tp", "2"], capsys)[1] == plain
+
+
+# ---- refusals -----------------------------------------------------------------------------------------
+TINY = ["generate", "--model", "tiny"]
+BAD_REQUESTS = {
+    "empty prompt": (TINY + ["--prompt", ""], "the prompt is empty"),
+    "ids outside the vocabulary": (TINY + ["--prompt-ids", "1 99999"], "outside the vocabulary"),
+    "negative id": (TINY + ["--prompt-ids", "1 -3"], "outside the vocabulary"),
+    "non-integer ids": (TINY + ["--prompt-ids", "1 2.5"], "expected integers"),
+    "temperature nan": (TINY + ["--prompt", "a", "--temperature", "nan"], "temperature"),
+    "negative temperature": (TINY + ["--prompt", "a", "--temperature", "-1"], "temperature"),
+    "top-p 0": (TINY + ["--prompt", "a", "--temperature", "1", "--top-p", "0"], "top_p"),
+    "top-p above 1": (TINY + ["--prompt", "a", "--temperature", "1", "--top-p", "1.5"], "top_p"),
+    "negative top-k": (TINY + ["--prompt", "a", "--temperature", "1", "--top-k", "-2"], "top_k"),
+    "top-k when greedy": (TINY + ["--prompt", "a", "--top-k", "5"], "no effect at temperature 0"),
+    "top-p when greedy": (TINY + ["--prompt", "a", "--top-p", "0.9"], "no effect at temperature 0"),
+    "past the maximum length": (TINY + ["--prompt", "a", "--max-new-tokens", "10000000"], "maximum length"),
+    "no new tokens": (TINY + ["--prompt", "a", "--max-new-tokens", "0"], "max_new_tokens"),
+    "steps without spec": (TINY + ["--prompt", "a", "--steps", "3"], "no effect without spec"),
+    "steps past the verify width": (TINY + ["--prompt", "a", "--spec", "nextn", "--steps", "99"], "steps must be"),
+    "stop id outside the vocabulary": (TINY + ["--prompt", "a", "--stop-ids", "99999"], "stop ids"),
+    "system without chat": (TINY + ["--prompt", "a", "--system", "s"], "no effect without --chat"),
+    "chat option without chat": (TINY + ["--prompt", "a", "--chat-option", "x=1"], "no effect without --chat"),
+    "chat with ids": (TINY + ["--prompt-ids", "1 2", "--chat"], "--chat renders a text prompt"),
+    "bad chat option": (TINY + ["--prompt", "a", "--chat", "--chat-option", "novalue"], "KEY=VALUE"),
+    "preset as checkpoint": (["generate", "--checkpoint", "tiny", "--prompt", "a"], "use --model tiny"),
+    "no such checkpoint": (["generate", "--checkpoint", "no/such/dir", "--prompt", "a"], "no such directory"),
+    "tp past the devices": (TINY + ["--prompt", "a", "--tp", "16"], "16"),
+    "tp not a divisor": (TINY + ["--prompt", "a", "--tp", "3"], "3"),
+    "missing prompt file": (TINY + ["--prompt-file", "no/such/file.txt"], "no/such/file.txt"),
+    "bad integer": (TINY + ["--prompt", "a", "--max-new-tokens", "x"], "invalid int value"),
+    "unknown preset": (["generate", "--model", "nope", "--prompt", "a"], "invalid choice"),
+    "no model": (["generate", "--prompt", "a"], "one of the arguments"),
+    "unknown command": (["frobnicate"], "invalid choice"),
+    "unknown option": (TINY + ["--prompt", "a", "--frobnicate"], "unrecognized arguments"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_request_is_one_line_and_exit_2_before_model_work(case, capsys, monkeypatch, tmp_path, no_model_work):
+    monkeypatch.chdir(tmp_path)  # no directory named like a preset here
+    argv, says = BAD_REQUESTS[case]
+    code, out, err = _run(argv, capsys)
+    assert code == 2 and out == "", (case, out)
+    assert err.startswith("lingjax: error: ") and err.count("\n") == 1 and says in err, (case, err)
+
+
+def test_no_prompt_at_a_terminal_is_refused(capsys, monkeypatch, no_model_work):
+    monkeypatch.setattr(sys, "stdin", _Terminal())
+    code, _, err = _run(TINY, capsys)
+    assert code == 2 and err.startswith("lingjax: error: give a prompt") and err.count("\n") == 1
+
+
+def test_model_too_big_for_memory_is_refused(capsys, monkeypatch, no_model_work):
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: 1_000_000)
+    code, _, err = _run(["generate", "--model", "mid", "--prompt", "a"], capsys)
+    assert code == 2 and err.startswith("lingjax: error: mid needs about") and err.count("\n") == 1
+    assert "GB free" in err
+
+
+def test_text_prompt_without_a_tokenizer_is_refused(tmp_path, capsys, monkeypatch, no_model_work, caplog):
+    d = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "tiny_c", d)
+    code, _, err = _run(["generate", "--checkpoint", str(d), "--prompt", "hello"], capsys)
+    assert code == 2 and "has no tokenizer" in err and "--prompt-ids" in err and err.count("\n") == 1
+
+
+def test_bad_checkpoint_config_is_one_line(tmp_path, capsys, no_model_work):
+    (tmp_path / "config.json").write_text("{not json")
+    code, _, err = _run(["generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1"], capsys)
+    assert code == 2 and err.startswith("lingjax: error:") and err.count("\n") == 1
+
+
+def test_chat_refuses_bad_template_options_before_loading(ling_dir, capsys, no_model_work):
+    d, _ = ling_dir
+    tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = "{{ raise_exception('no such option') if strict else '' }}{{ messages[0]['content'] }}"
+    (d / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    code, _, err = _run(["chat", "--checkpoint", str(d), "--chat-option", "strict=true"], capsys)
+    assert code == 2 and "no such option" in err and err.count("\n") == 1
+
+
+# ---- the program itself -------------------------------------------------------------------------------
+def test_version(capsys):
+    code, out, _ = _run(["--version"], capsys)
+    assert code == 0 and out.strip() == f"lingjax {lingjax.__version__}"
+
+
+def test_help_imports_no_jax_and_shows_defaults():
+    code = ("import sys, lingjax.cli\ntry: lingjax.cli.main(['generate', '--help'])\nexcept SystemExit: pass\n"
+            "print('jax imported' if 'jax' in sys.modules else 'no jax')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("no jax") and "(default: 128)" in out and "--no-cache" in out
