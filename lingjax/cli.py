@@ -47,9 +47,12 @@ def _key_value(text: str) -> tuple[str, object]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from lingjax.config import PRESETS
 
-    src = p.add_mutually_exclusive_group(required=True)
+    from lingjax.shipped import DEFAULT_NAME
+
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--model", choices=sorted(PRESETS), help="a preset with random weights")
-    src.add_argument("--checkpoint", type=Path, help="official safetensors dir or `lingjax convert` output")
+    src.add_argument("--checkpoint", type=Path, help="official safetensors dir or `lingjax convert` output "
+                                                     f"(without --model or --checkpoint: the shipped {DEFAULT_NAME})")
 
 
 def _add_run_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -94,8 +97,12 @@ def _source(args):
             raise UsageError(f"{name!r} is a preset, not a checkpoint directory: use --model {name}")
         if not args.checkpoint.is_dir():
             raise UsageError(f"--checkpoint {name}: no such directory")
-    else:
+    elif args.model is not None:
         name = args.model
+    else:
+        from lingjax.shipped import default_checkpoint
+
+        name = str(default_checkpoint())
     cfg, directory = resolve(name)
     return cfg, directory, name, source_tokenizer(cfg, directory, name)
 
@@ -269,10 +276,9 @@ def cmd_convert(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from lingjax.config import LingConfig, preset
     from lingjax.model import abstract_model, param_count
 
-    cfg = preset(args.model) if args.model else LingConfig.from_file(args.checkpoint / "config.json")
+    cfg = _source(args)[0]
     base = param_count(abstract_model(cfg, with_mtp=False))
     full = param_count(abstract_model(cfg, with_mtp=True))
     kinds = "".join("M" if t == "mla" else "k" for t in cfg.layer_types)

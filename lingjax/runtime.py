@@ -31,6 +31,7 @@ from lingjax.model import LingModel, abstract_model, draw, param_count
 from lingjax.sampling import SamplingParams, sample
 from lingjax.memory import check_fits
 from lingjax.requests import check_prompt_ids
+from lingjax.shipped import default_checkpoint
 from lingjax.tokenizer import Tokenizer
 
 log = logging.getLogger("lingjax")
@@ -336,9 +337,12 @@ def _drawer(shape, dtype, how, out_sharding):
     return jax.jit(functools.partial(draw, shape=shape, dtype=dtype, how=how), out_shardings=out_sharding)
 
 
-def resolve(path_or_preset: str | Path) -> tuple[LingConfig, Path | None]:
-    """(config, checkpoint directory) of a preset name (directory None) or a checkpoint directory, read
-    without touching a weight: what the CLI checks a request against before loading anything."""
+def resolve(path_or_preset: str | Path | None = None) -> tuple[LingConfig, Path | None]:
+    """(config, checkpoint directory) of a preset name (directory None), a checkpoint directory, or None for
+    the shipped model (lingjax.shipped), read without touching a weight: what the CLI checks a request
+    against before loading anything."""
+    if path_or_preset is None:
+        path_or_preset = default_checkpoint()
     source = str(path_or_preset)
     if source in PRESETS:
         return preset(source), None
@@ -364,9 +368,10 @@ def source_tokenizer(cfg: LingConfig, directory: Path | None, name: str) -> Toke
 _OWN = object()  # load(tokenizer=...) default: the source's own tokenizer
 
 
-def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "auto", seed: int = 0,
+def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kernels: str = "auto", seed: int = 0,
          progress=None, tp: int = 1, router_precision: str = "f32", tokenizer=_OWN) -> Model:
-    """Load a model: a preset name (random weights: {presets}), a directory in the official
+    """Load a model: the shipped code model (no argument: lingjax.shipped), a preset name (random weights:
+    {presets}), a directory in the official
     safetensors layout, or a lingjax (orbax) checkpoint written by `lingjax convert`. tp > 1 shards
     it over that many devices (safetensors stream each tensor straight into its shards).
     kernels: "auto" (Pallas on a GPU, the XLA references elsewhere), "pallas" or "xla".
@@ -378,6 +383,8 @@ def load(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str = "au
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     options = RunOptions(kernels=kernels, router_precision=router_precision)
     jdtype = DTYPES[dtype]
+    if path_or_preset is None:
+        path_or_preset = default_checkpoint()
     source = str(path_or_preset)
     cfg, directory = resolve(source)
     mesh = sharding.mesh_for(cfg, tp)  # every parameter goes straight into its shards

@@ -114,6 +114,10 @@ SLOW = {
         "test_distributed_argmax_ties_to_lowest_id", "test_logits_and_greedy_match_tp1",
         "test_orbax_restores_straight_into_shards", "test_random_presets_are_drawn_in_shards_and_equal_at_every_tp",
         "test_sampling_matches_tp1", "test_tp8_matches_tp1", "test_weights_are_sharded_and_loaded_straight_into_shards"},
+    "test_train_model": {
+        "test_command_data_comes_from_the_cache", "test_command_exports_a_finished_run",
+        "test_command_refuses_other_options_and_corpus", "test_command_resume_equals_uninterrupted_steps",
+        "test_command_runs_resumes_and_exports", "test_embedded_checkpoint_fits_on_disk"},
     "test_spec": {
         "test_bf16_greedy_spec_equals_plain_128_tokens", "test_decode_and_verify_reduce_alike",
         "test_greedy_then_sampled_then_greedy_is_unpolluted", "test_nextn_greedy_equals_plain_greedy_256_tokens",

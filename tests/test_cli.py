@@ -125,6 +125,18 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_session():
                         {"role": "user", "content": "second"}]
 
 
+def test_the_shipped_model_is_the_default(capsys):
+    from lingjax.shipped import DEFAULT_CHECKPOINT
+
+    model = lingjax.load()
+    assert model.source == str(DEFAULT_CHECKPOINT) and model.tokenizer.vocab_size == model.module.cfg.vocab_size
+    result = lingjax.generate(model, "def quicksort(xs):", 8)
+    code, out, _ = _run(["generate", "--prompt", "def quicksort(xs):", "--max-new-tokens", "8"], capsys)
+    assert code == 0 and out.rstrip("\n") == result.text.rstrip("\n") and result.text.strip()
+    code, out, _ = _run(["info"], capsys)
+    assert code == 0 and "layers      8" in out
+
+
 def test_info_flash(capsys):
     code, out, _ = _run(["info", "--model", "flash"], capsys)
     assert code == 0 and "124.41 B without MTP" in out and "127.49 B with MTP" in out
@@ -175,7 +187,7 @@ BAD_REQUESTS = {
     "missing prompt file": (TINY + ["--prompt-file", "no/such/file.txt"], "no/such/file.txt"),
     "bad integer": (TINY + ["--prompt", "a", "--max-new-tokens", "x"], "invalid int value"),
     "unknown preset": (["generate", "--model", "nope", "--prompt", "a"], "invalid choice"),
-    "no model": (["generate", "--prompt", "a"], "one of the arguments"),
+    "preset and checkpoint": (TINY + ["--checkpoint", "x", "--prompt", "a"], "not allowed with"),
     "unknown command": (["frobnicate"], "invalid choice"),
     "unknown option": (TINY + ["--prompt", "a", "--frobnicate"], "unrecognized arguments"),
 }
