@@ -127,9 +127,11 @@ def kda_recurrent(q, k, v, g, beta, state, return_states: bool = False):
     return (o, final, states) if return_states else (o, final)
 
 
-def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
+def kda_chunked(q, k, v, g, beta, state, chunk: int = 64, checkpoint_chunks: bool = False):
     """Chunked form of kda_recurrent (same math up to rounding), for prefill. Same arguments and
-    result as kda_recurrent without return_states. Padding rows (g = 0, beta = 0) leave the state as is."""
+    result as kda_recurrent without return_states. Padding rows (g = 0, beta = 0) leave the state as is.
+    checkpoint_chunks (training): each chunk's intermediates are recomputed in the backward pass instead of
+    kept for every chunk; the [H, C, C, K] decay tensors are C times a chunk's inputs."""
     t, h, dk = k.shape
     dv = v.shape[-1]
     n = -(-t // chunk)
@@ -163,6 +165,7 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
         s1 = jnp.exp(g_last)[:, :, None] * s0 + jnp.einsum("hck,hcv->hkv", k_dec, v_new)
         return s1, o
 
-    final, o = jax.lax.scan(body, state.astype(jnp.float32), (qc, kc, vc, gc, bc))
+    final, o = jax.lax.scan(jax.checkpoint(body) if checkpoint_chunks else body, state.astype(jnp.float32),
+                            (qc, kc, vc, gc, bc))
     o = o.swapaxes(1, 2).reshape(n * chunk, h, dv)[:t]
     return o, final
