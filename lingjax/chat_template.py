@@ -64,3 +64,12 @@ def render(template: str, messages, *, add_generation_prompt: bool = True,
                                           **dict(special_tokens or {}), **kwargs)
     except jinja2.exceptions.TemplateError as e:
         raise ChatError(f"the chat template failed: {e}") from None
+
+
+def render_for(tokenizer, source: str, messages, *, add_generation_prompt: bool = True, **variables) -> str:
+    """render() with a tokenizer's own template and special tokens; ChatError naming `source` when it has no
+    chat template (no tokenizer, or tokenizer_config.json without `chat_template`)."""
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise ChatError(f"{source} has no chat template (tokenizer_config.json chat_template)")
+    return render(tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                  special_tokens=tokenizer.special_tokens, **variables)

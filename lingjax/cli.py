@@ -131,15 +131,6 @@ def _messages(system: str | None, user: str) -> list[dict]:
         {"role": "user", "content": user}]
 
 
-def _render(tokenizer, name: str, messages: list[dict], kwargs: dict) -> str:
-    from lingjax.chat_template import render
-
-    if tokenizer is None or tokenizer.chat_template is None:
-        raise UsageError(f"{name} has no chat template (tokenizer_config.json chat_template)")
-    return render(tokenizer.chat_template, messages, add_generation_prompt=True,
-                  special_tokens=tokenizer.special_tokens, **kwargs)
-
-
 def _generation_kwargs(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                 stop_ids=args.stop_ids, top_k=args.top_k, top_p=args.top_p, ignore_eos=args.ignore_eos,
@@ -193,6 +184,7 @@ def _summary(result, args) -> str:
 # ---- commands -----------------------------------------------------------------------------------------
 def cmd_generate(args) -> int:
     from lingjax import requests
+    from lingjax.chat_template import render_for
 
     cfg, _, name, tokenizer = _source(args)
     text = _prompt_text(args)
@@ -207,7 +199,7 @@ def cmd_generate(args) -> int:
         if not text:
             raise UsageError("the prompt is empty")
         if args.chat:
-            text = _render(tokenizer, name, _messages(args.system, text), _chat_kwargs(args))
+            text = render_for(tokenizer, name, _messages(args.system, text), **_chat_kwargs(args))
         ids = tokenizer.encode(text)
     else:
         if args.chat:
@@ -233,12 +225,13 @@ def cmd_generate(args) -> int:
         out.flush()
         state["last"] = piece[-1]
 
-    stops = set(args.stop_ids) | (set() if args.ignore_eos else set(tokenizer.stop_ids if tokenizer
-                                                                       else cfg.eos_token_ids))
+    from lingjax.engine import stop_set
+
+    stops = stop_set(model, args.stop_ids, args.ignore_eos)
     kwargs = _generation_kwargs(args)
     if as_ids:
         result = lingjax.generate(model, prompt.tolist(),
-                                  on_token=lambda t: None if stops and t in stops else show_id(t), **kwargs)
+                                  on_token=lambda t: None if t in stops else show_id(t), **kwargs)
         out.write("\n")
     else:
         result = lingjax.generate(model, prompt.tolist(), on_text=show_text, **kwargs)
@@ -252,12 +245,11 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     from lingjax.chat_repl import ChatSession
 
+    from lingjax.chat_template import render_for
+
     cfg, _, name, tokenizer = _source(args)
-    if tokenizer is None or tokenizer.chat_template is None:
-        raise UsageError(f"{name} has no chat template (tokenizer_config.json chat_template): use "
-                         "lingjax generate")
+    render_for(tokenizer, name, _messages(args.system, "hello"), **_chat_kwargs(args))  # the options render
     _check_request(cfg, 1, args, name)
-    _render(tokenizer, name, _messages(args.system, "hello"), _chat_kwargs(args))  # the options render
     model = _load(args, name, tokenizer)
     session = ChatSession(model, system=args.system, template_kwargs=_chat_kwargs(args),
                           generation_kwargs=_generation_kwargs(args))

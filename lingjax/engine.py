@@ -218,9 +218,7 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
                                       temperature=temperature, top_k=top_k, top_p=top_p, spec=spec, steps=steps,
                                       rounds_per_call=rounds_per_call, has_mtp=model.has_mtp)
     check_prefill_chunk(prefill_chunk)
-    stops = requests.check_stop_ids(stop_ids, model.cfg.vocab_size)
-    if not ignore_eos:
-        stops |= set(tokenizer.stop_ids if tokenizer is not None else model.cfg.eos_token_ids)
+    stops = stop_set(model, stop_ids, ignore_eos)
     sampling = SamplingParams(temperature, top_k, top_p)
     base_key = model.put(jax.random.key(seed))
     accept_lens: list[int] = []
@@ -284,19 +282,24 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     )
 
 
+def stop_set(model: Model, stop_ids: Sequence[int] = (), ignore_eos: bool = False) -> set[int]:
+    """The ids that end a generation: stop_ids (checked against the vocabulary) and, unless ignore_eos, the
+    tokenizer's stop ids (the config's EOS ids without a tokenizer)."""
+    stops = requests.check_stop_ids(stop_ids, model.cfg.vocab_size)
+    if not ignore_eos:
+        stops |= set(model.tokenizer.stop_ids if model.tokenizer is not None else model.cfg.eos_token_ids)
+    return stops
+
+
 def chat(model: Model, messages, max_new_tokens: int = 256, *, add_generation_prompt: bool = True,
          template_kwargs: dict | None = None, **kwargs) -> GenerationResult:
     """The assistant's next turn after `messages` ([{"role": "user", "content": "..."}, ...]): the model's chat
     template renders them (lingjax.chat_template.render; template_kwargs such as {"enable_thinking": False} reach the
     template), then generate(model, prompt, max_new_tokens, **kwargs)."""
-    from lingjax.chat_template import ChatError, render
+    from lingjax.chat_template import render_for
 
-    tokenizer = model.tokenizer
-    if tokenizer is None or tokenizer.chat_template is None:
-        raise ChatError(f"{model.source or 'this model'} has no chat template (tokenizer_config.json "
-                        "chat_template)")
-    text = render(tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                  special_tokens=tokenizer.special_tokens, **(template_kwargs or {}))
+    text = render_for(model.tokenizer, model.source or "this model", messages,
+                      add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
     return generate(model, text, max_new_tokens, **kwargs)
 
 

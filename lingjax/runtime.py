@@ -337,12 +337,9 @@ def _drawer(shape, dtype, how, out_sharding):
     return jax.jit(functools.partial(draw, shape=shape, dtype=dtype, how=how), out_shardings=out_sharding)
 
 
-def resolve(path_or_preset: str | Path | None = None) -> tuple[LingConfig, Path | None]:
-    """(config, checkpoint directory) of a preset name (directory None), a checkpoint directory, or None for
-    the shipped model (lingjax.shipped), read without touching a weight: what the CLI checks a request
-    against before loading anything."""
-    if path_or_preset is None:
-        path_or_preset = default_checkpoint()
+def resolve(path_or_preset: str | Path) -> tuple[LingConfig, Path | None]:
+    """(config, checkpoint directory) of a preset name (directory None) or a checkpoint directory, read
+    without touching a weight: what the CLI checks a request against before loading anything."""
     source = str(path_or_preset)
     if source in PRESETS:
         return preset(source), None

@@ -154,6 +154,20 @@ def fixture_dirs():
     return sorted(p for p in FIXTURES.iterdir() if (p / "reference.npz").exists()) if FIXTURES.exists() else []
 
 
+@pytest.fixture
+def ling_dir(tmp_path):
+    """tiny_official's weights with a Ling-3-layout tokenizer and chat template beside them (tests/ling_tokenizer.py)
+    -> (directory, {special token: id})."""
+    import shutil
+
+    import ling_tokenizer
+    from lingjax.config import LingConfig
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "tiny_official", d)
+    return d, ling_tokenizer.write(d, LingConfig.from_file(d / "config.json").vocab_size)
+
+
 @pytest.fixture(params=fixture_dirs(), ids=lambda p: p.name)
 def hf_fixture(request):
     return request.param

@@ -8,12 +8,10 @@ import sys
 
 import pytest
 
-import ling_tokenizer
 import lingjax
 from conftest import FIXTURES
 from lingjax import checkpoint, cli, memory, runtime
 from lingjax.chat_repl import ChatSession
-from lingjax.config import LingConfig
 
 
 def _run(argv, capsys) -> tuple[int, str, str]:
@@ -36,15 +34,6 @@ def no_model_work(monkeypatch):
     monkeypatch.setattr(runtime, "random_model", model_work)
     monkeypatch.setattr(checkpoint, "load_safetensors", model_work)
     monkeypatch.setattr(checkpoint, "load_orbax", model_work)
-
-
-@pytest.fixture
-def ling_dir(tmp_path):
-    """tiny_official's weights with a Ling-3-layout tokenizer and chat template beside them."""
-    d = tmp_path / "ckpt"
-    shutil.copytree(FIXTURES / "tiny_official", d)
-    ids = ling_tokenizer.write(d, LingConfig.from_file(d / "config.json").vocab_size)
-    return d, ids
 
 
 class _Terminal(io.StringIO):

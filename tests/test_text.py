@@ -2,12 +2,10 @@
 streaming detokenization, chat templates, and the text side of the Python API."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 
-import ling_tokenizer
 import lingjax
 from conftest import FIXTURES, SALT
 from lingjax.chat_template import ChatError, render
@@ -17,15 +15,6 @@ from lingjax.tokenizer import Tokenizer, TokenizerError
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "naïve café: Übergröße", "日本語のテキスト 🙂🚀 mixed\twith tabs",
          "a<|role_end|>b", " leading and trailing spaces  "]
-
-
-@pytest.fixture
-def ling_dir(tmp_path):
-    """tiny_official's weights with a Ling-3-layout tokenizer beside them."""
-    d = tmp_path / "ckpt"
-    shutil.copytree(FIXTURES / "tiny_official", d)
-    ids = ling_tokenizer.write(d, LingConfig.from_file(d / "config.json").vocab_size)
-    return d, ids
 
 
 def _cfg(d):
