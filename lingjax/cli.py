@@ -267,6 +267,11 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _amount(n: int, giga: str, mega: str) -> str:
+    """n in units of 1e9 (e.g. "124.41 B") or, below that, of 1e6 ("8.63 M")."""
+    return f"{n / 1e9:.2f} {giga}" if n >= 1e9 else f"{n / 1e6:.2f} {mega}"
+
+
 def cmd_info(args) -> int:
     from lingjax.model import abstract_model, param_count
 
@@ -278,8 +283,8 @@ def cmd_info(args) -> int:
           if "moe" in cfg.mlp_types else f"layers      {cfg.num_hidden_layers} ({kinds})")
     print(f"experts     {cfg.num_experts} routed, top-{cfg.num_experts_per_tok}, "
           f"{cfg.n_group} groups keep {cfg.topk_group}")
-    print(f"params      {base / 1e9:.2f} B without MTP, {full / 1e9:.2f} B with MTP ({full:,})")
-    print(f"bf16 bytes  {full * 2 / 1e9:.1f} GB")
+    print(f"params      {_amount(base, 'B', 'M')} without MTP, {_amount(full, 'B', 'M')} with MTP ({full:,})")
+    print(f"bf16 bytes  {_amount(full * 2, 'GB', 'MB')}")
     return 0
 
 
