@@ -285,10 +285,9 @@ class Model:
         return np.stack(rows)
 
 
-# Models up to this many bytes of weights are drawn by one program; larger ones by one small program per
+# Random weights up to HOST_DRAW_BYTES are drawn on the host (numpy: no program to compile, the fastest start
+# for the small presets); up to ONE_PROGRAM_DRAW_BYTES in one device program; beyond, by one small program per
 # distinct leaf kind, reused across leaves (one program for all of Flash would hold its temporaries at once).
-# Random weights up to this many bytes are drawn on the host (numpy: no program to compile, the fastest
-# start for the small presets); up to ONE_PROGRAM_DRAW_BYTES in one device program; beyond, leaf by leaf.
 HOST_DRAW_BYTES = 64 << 20
 ONE_PROGRAM_DRAW_BYTES = 2 << 30
 
