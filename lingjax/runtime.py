@@ -77,6 +77,13 @@ class RunOptions:
         return Exec(self.kernels, tp_axis, self.router_precision, frozenset(self.xla_ops), self.tuning)
 
 
+def _device_of(leaf) -> jax.Device:
+    """The device a weight lives on; an abstract weight (ShapeDtypeStruct, for lowering only) has none, so
+    the default device stands in."""
+    devices = getattr(leaf, "devices", None)
+    return next(iter(devices())) if devices is not None else jax.devices()[0]
+
+
 def step_jit(fun, compile_options: CompileOptions = CompileOptions(), **kwargs):
     """jax.jit for a hot step program: on a GPU with step_compiler_options (docs/engine.md says why each is
     set), elsewhere plain jax.jit."""
@@ -142,7 +149,7 @@ class Model:
         self.weights = tuple(leaves)  # what every program takes; `params` is the structured view
         self.weight_specs = tuple(self._param_treedef.flatten_up_to(param_specs))
         self._host_sharding = (NamedSharding(mesh, P()) if mesh is not None
-                               else SingleDeviceSharding(next(iter(self.weights[0].devices()))))
+                               else SingleDeviceSharding(_device_of(self.weights[0])))
         self._set_options(options or RunOptions())
 
     def put(self, tree):

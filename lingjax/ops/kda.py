@@ -99,7 +99,7 @@ def kda_chain(proj, x, b_proj, ring, start, conv_w, a_log, dt_bias, state, *, to
     window = ring_window(ring, start, conv_w.shape[1])
     q, k, v, g, beta, _ = kda_prepare(qkv, proj[:tokens, 3 * p : 4 * p], b, window, conv_w, a_log, dt_bias, tokens,
                                       num_heads=num_heads, safe_gate=safe_gate, lower_bound=lower_bound)
-    o, _, staged = kda_recurrent(q, k, v, g, beta, state, return_states=True)
+    o, _, staged = kda_recurrent(q, k, v, g, beta, state, return_states=True, unroll=True)  # row invariance
     return jnp.pad(o, [(0, proj.shape[0] - tokens), (0, 0), (0, 0)]), staged, ring_write(ring, qkv, start)
 
 
@@ -113,17 +113,19 @@ def kda_step(state, q, k, v, g, beta):
     return state, o
 
 
-def kda_recurrent(q, k, v, g, beta, state, return_states: bool = False):
+def kda_recurrent(q, k, v, g, beta, state, return_states: bool = False, unroll: bool = False):
     """Token-by-token recurrence. q (normalised, scaled), k (normalised), g: [T, H, K]; v: [T, H, V];
     beta: [T, H]; state: [H, K, V] f32. Returns (o [T, H, V] f32, final state[, states after each token
-    [T, H, K, V]])."""
+    [T, H, K, V]]). unroll=True writes the T steps out as straight-line code, as XLA compiles a scan of
+    one step: each step then rounds alike at every T (a verify row's state equals the T=1 decode's
+    bit for bit; inside a loop body XLA fuses the step differently)."""
 
     def body(s, xs):
         s, o = kda_step(s, *xs)
         return s, (o, s) if return_states else (o, None)
 
     xs = tuple(a.astype(jnp.float32) for a in (q, k, v, g, beta))
-    final, (o, states) = jax.lax.scan(body, state.astype(jnp.float32), xs)
+    final, (o, states) = jax.lax.scan(body, state.astype(jnp.float32), xs, unroll=unroll)
     return (o, final, states) if return_states else (o, final)
 
 
