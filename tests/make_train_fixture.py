@@ -80,7 +80,11 @@ def make_checkpoint(out: Path) -> None:
 
 
 # ---- step 2: the HF side ----------------------------------------------------------------------------
-def hf_reference(directory: Path) -> dict:
+def hf_reference(directory: Path, out: Path | None = None, ids: list[int] | None = None,
+                 last_rows: int | None = None) -> dict:
+    """HF's f32 logits for `ids` (default: directory's prompt_ids.json) into out (default: directory); with
+    last_rows, only the logits of the last rows are kept, beside every row's argmax (a small file for a
+    large vocabulary)."""
     import numpy as np
     import torch
     import transformers
@@ -113,18 +117,21 @@ def hf_reference(directory: Path) -> dict:
     for module in model.modules():
         if type(module).__name__ == "BailingHybridTopkRouter":
             module.register_forward_hook(hook)
-    ids = json.loads((directory / PROMPT_FILE).read_text())
+    out = directory if out is None else out
+    ids = json.loads((directory / PROMPT_FILE).read_text()) if ids is None else ids
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
-    np.savez(directory / LOGITS_FILE, prompt_ids=np.asarray(ids, np.int32), logits=logits.astype(np.float32))
-    reference = {"generated_by": "tests/make_train_fixture.py", "torch": torch.__version__.split("+")[0],
+    kept = logits if last_rows is None else logits[-last_rows:]
+    np.savez(out / LOGITS_FILE, prompt_ids=np.asarray(ids, np.int32), logits=kept.astype(np.float32),
+             argmax=logits.argmax(-1).astype(np.int32))
+    reference = {"generated_by": sys.argv[0], "checkpoint": str(directory), "torch": torch.__version__.split("+")[0],
                  "transformers": transformers.__version__, "prompt_tokens": len(ids),
                  "unexpected_keys": len(unexpected), "router_min_gap": min(gaps), "router_decisions": len(gaps),
                  "logits_max_abs": float(np.abs(logits).max())}
-    (directory / REFERENCE_FILE).write_text(json.dumps(reference, indent=2) + "\n")
+    (out / REFERENCE_FILE).write_text(json.dumps(reference, indent=2) + "\n")
     if min(gaps) < MIN_ROUTER_GAP:
         raise RuntimeError(f"a router decision gap of {min(gaps):.2e} is too close to a tie; change PROMPT_TEXT")
-    print(f"HF logits for {len(ids)} tokens written to {directory / LOGITS_FILE}: {reference}", flush=True)
+    print(f"HF logits for {len(ids)} tokens written to {out / LOGITS_FILE}: {reference}", flush=True)
     return reference
 
 
