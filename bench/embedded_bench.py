@@ -27,19 +27,17 @@ import sysconfig
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-HELD_OUT = ("json", "email", "asyncio", "tomllib", "urllib", "http", "xml")  # lingjax.train.corpus.HELD_OUT_PACKAGES
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lingjax's light modules, also for `hf` (no jax)
+from lingjax.shipped import DEFAULT_CHECKPOINT  # noqa: E402
+from lingjax.train.corpus import HELD_OUT_PACKAGES  # noqa: E402
+
 MIN_OFFSET = 4096  # bytes of a file before its prompt's `def` line: the prompt carries real context
-
-
-def default_checkpoint() -> Path:
-    return REPO / "checkpoints" / "ling-code-tiny"
 
 
 # ---- prompts ------------------------------------------------------------------------------------------
 def held_out_files() -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for pkg in HELD_OUT for p in (stdlib / pkg).rglob("*.py") if "__pycache__" not in p.parts)
+    return sorted(p for pkg in HELD_OUT_PACKAGES for p in (stdlib / pkg).rglob("*.py") if "__pycache__" not in p.parts)
 
 
 def make_prompts(checkpoint: Path, count: int, prompt_tokens: int) -> dict:
@@ -83,11 +81,11 @@ def run_hf(prompts: dict, checkpoint: Path, new_tokens: int, device: str, dtype:
         def __init__(self):
             self.times = []
 
-        def put(self, value):
+        def put(self, value):  # generate hands over each step's tokens on the host: the step has finished
             self.times.append(time.perf_counter())
 
         def end(self):
-            torch.cuda.synchronize() if device.startswith("cuda") else None
+            pass
 
     def one(ids):
         clock = Clock()
@@ -96,13 +94,13 @@ def run_hf(prompts: dict, checkpoint: Path, new_tokens: int, device: str, dtype:
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
                                  streamer=clock, pad_token_id=0)
         new = out[0, len(ids):].tolist()
-        gaps = clock.times[2:]  # times[0]: the prompt; times[1]: the first new token
-        return new, (clock.times[-1] - clock.times[1]) / (len(new) - 1), clock.times[1] - clock.times[0], gaps
+        # times[0]: the prompt; times[1]: the first new token
+        return new, (clock.times[-1] - clock.times[1]) / (len(new) - 1), clock.times[1] - clock.times[0]
 
     one(prompts["ids"][0])  # warm-up
     tokens, tpot, ttft = [], [], []
     for ids in prompts["ids"]:
-        new, t, first, _ = one(ids)
+        new, t, first = one(ids)
         tokens.append(new)
         tpot.append(t)
         ttft.append(first)
@@ -200,7 +198,7 @@ def open_report(path: str | None, prompts: dict, command: str):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=["all", "prompts", "hf", "lingjax"])
-    ap.add_argument("--checkpoint", type=Path, default=default_checkpoint())
+    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     ap.add_argument("--prompts", help="prompts JSON (from `prompts`); made here when not given")
     ap.add_argument("--hf", help="HF results JSON (from `hf`) for the report")
     ap.add_argument("--count", type=int, default=16)

@@ -2,7 +2,6 @@
 (tests/fixtures/shipped_reference, made by tests/make_shipped_reference.py), and its MTP layer drafting
 tokens the target accepts."""
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -11,21 +10,15 @@ import numpy as np
 import lingjax
 from conftest import rel_err
 from lingjax.shipped import DEFAULT_CHECKPOINT
+from make_shipped_reference import weights_sha256
 
 REFERENCE = Path(__file__).parent / "fixtures" / "shipped_reference"
 HF_F32_TOL = 1e-4  # × max |HF logit|, as tests/test_parity.py: f32 against torch's f32
 
 
-def _weights_sha256(directory: Path) -> str:
-    h = hashlib.sha256()
-    for path in sorted(directory.glob("*.safetensors")):
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
 def test_shipped_checkpoint_matches_hf():
     meta = json.loads((REFERENCE / "reference.json").read_text())
-    assert meta["weights_sha256"] == _weights_sha256(DEFAULT_CHECKPOINT), (
+    assert meta["weights_sha256"] == weights_sha256(DEFAULT_CHECKPOINT), (
         "checkpoints/ling-code-tiny changed: remake its reference with tests/make_shipped_reference.py")
     ref = np.load(REFERENCE / "hf_logits.npz")
     model = lingjax.load(dtype="float32")
