@@ -100,8 +100,7 @@ def _check_chain(t, h, d, dtype, seed, safe=True, tuning=BV8, rows=None, fn=kda_
 
 @pytest.mark.parametrize("t", range(1, 17))
 def test_chain_verify_every_t(t):
-    for seed in range(2):
-        _check_chain(t, 3, 16, jnp.float32, seed)
+    _check_chain(t, 3, 16, jnp.float32, 0)  # fresh inputs each run (the salt); two seeds: the bf16 test below
 
 
 def test_chain_decode_in_place():

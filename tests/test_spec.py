@@ -112,7 +112,7 @@ def test_bf16_greedy_spec_equals_plain_128_tokens(steps):
             assert len(set(mixed.accept_lens)) > 1 and max(mixed.accept_lens) > 2
 
 
-@pytest.mark.parametrize("steps", [1, 3, 5, 7])
+@pytest.mark.parametrize("steps", [1, 5])  # S = 3 and 7 against plain greedy above
 def test_nextn_greedy_matches_hf_fixture(steps):
     directory = FIXTURES / "tiny_c"  # the fixture that carries MTP tensors
     ref = np.load(directory / "reference.npz")
