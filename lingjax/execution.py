@@ -64,6 +64,10 @@ class Exec:
         """Whether op `name` runs its Pallas implementation."""
         return self.kernels == "pallas" and name not in self.xla_ops
 
+    def runs_kernel(self, name: str, *args, **kwargs) -> bool:
+        """Whether op `name` called with these arguments runs its Pallas kernel (not a GPU's fallback)."""
+        return kernels.runs_kernel(name, self.runs_pallas(name), self.tuning.get(name), *args, **kwargs)
+
     def op(self, name: str) -> Callable:
         """The implementation of op `name` under this kernel set (lingjax.kernels.implementation)."""
         return kernels.implementation(name, self.runs_pallas(name), self.tuning.get(name))

@@ -8,8 +8,9 @@ picks the implementation of an op.
 
 Each Pallas entry point takes its reference's arguments and returns its result, plus a keyword-only
 `tuning` (the kernel's frozen tuning dataclass). Each has a `supports` function beside it: on a GPU, a call
-whose shapes the kernel's Triton lowering does not take runs the reference instead, and lingjax says so once
-per op and reason (docs/kernels/README.md). Interpret mode takes any shape, so off the GPU the kernels run
+whose shapes the kernel's Triton lowering does not take runs the reference instead (for the routed experts
+a form of it on every padded row, which keeps speculation lossless), and lingjax says so once per op and
+reason (docs/kernels/README.md). Interpret mode takes any shape, so off the GPU the kernels run
 as called.
 """
 
@@ -36,9 +37,15 @@ class Op:
     reference: Callable  # the plain-JAX semantics, lingjax/ops
     pallas: str  # "module:function" of the Pallas kernel
     supports: str  # "module:function" -> None if the kernel lowers for these arguments, else the reason
+    # what a GPU runs where supports() refuses a call: the reference, or a form of it that keeps the kernel's
+    # row invariance (one set of shapes whatever T, so a decode and a verify round each row alike)
+    fallback: Callable | None = None
 
     def kernel(self) -> Callable:
         return _attr(self.pallas)
+
+    def reference_for_gpu(self) -> Callable:
+        return self.fallback or self.reference
 
     def unsupported(self, *args, **kwargs) -> str | None:
         return _attr(self.supports)(*args, **kwargs)
@@ -53,9 +60,9 @@ OPS = {
                        "lingjax.pallas.mla_decode:supports"),
     "moe_route": Op(moe_ops.route, "lingjax.pallas.moe_router:route", "lingjax.pallas.moe_router:supports"),
     "moe_experts": Op(moe_ops.experts, "lingjax.pallas.moe_experts:fused_experts",
-                      "lingjax.pallas.moe_experts:supports_fused_experts"),
+                      "lingjax.pallas.moe_experts:supports_fused_experts", moe_ops.experts_all_rows),
     "moe_routed_experts": Op(moe_ops.routed_experts, "lingjax.pallas.moe_experts:routed_experts",
-                             "lingjax.pallas.moe_experts:supports_routed_experts"),
+                             "lingjax.pallas.moe_experts:supports_routed_experts", moe_ops.routed_experts_all_rows),
 }
 
 
@@ -93,9 +100,19 @@ def _fall_back(name: str, reason: str) -> None:
         log.warning("lingjax: %s runs its XLA reference, not its Pallas kernel: %s", name, reason)
 
 
+def runs_kernel(name: str, pallas: bool, tuning, *args, **kwargs) -> bool:
+    """Whether `implementation(name, pallas, tuning)` called with these arguments runs the Pallas kernel: the
+    Pallas set, and on a GPU shapes its supports() takes (interpret mode takes any)."""
+    if not pallas:
+        return False
+    extra = {} if tuning is None else {"tuning": tuning}
+    return target.platform() != "gpu" or OPS[name].unsupported(*args, **kwargs, **extra) is None
+
+
 def implementation(name: str, pallas: bool, tuning=None) -> Callable:
     """The implementation of op `name`: its reference, or (pallas) its Pallas kernel with `tuning` (None: the
-    kernel's defaults), which on a GPU falls back to the reference where supports() rejects a call's shapes."""
+    kernel's defaults), which on a GPU falls back to the reference (Op.fallback's row-invariant form where the
+    op has one) where supports() rejects a call's shapes."""
     op = OPS[name]
     if not pallas:
         return op.reference
@@ -106,7 +123,7 @@ def implementation(name: str, pallas: bool, tuning=None) -> Callable:
             reason = op.unsupported(*args, **kwargs, **extra)
             if reason:
                 _fall_back(name, reason)
-                return op.reference(*args, **kwargs)
+                return op.reference_for_gpu()(*args, **kwargs)
         return op.kernel()(*args, **kwargs, **extra)
 
     return call

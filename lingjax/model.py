@@ -22,7 +22,9 @@ T=1 decode and in a verify. Only the ops that carry state between rows or read p
 the real rows alone: the KDA recurrence and conv, the MLA cache write, the routed experts (whose k-slot
 sum is a fixed-order chain of adds: a reduce over [T, k, D] summed in a T-dependent order on the H200).
 The Pallas kernels for those read the real rows of the padded arrays in place (no slice or pad launches
-around them); the MTP drafter's forwards are not padded (paths_for's pad_small).
+around them); where a GPU refuses the expert kernels for a model's shapes, their XLA fallback runs on every
+padded row instead (lingjax.ops.moe.experts_all_rows), and a decode then routes as a verify does. The MTP
+drafter's forwards are not padded (paths_for's pad_small).
 """
 
 from __future__ import annotations
@@ -263,10 +265,14 @@ class MoE(nnx.Module):
         fuse = shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]
         extra = dict(shared=(shared.gate_proj[...], shared.up_proj[...], shared.down_proj[...]),
                      shared_limit=shared.limit) if fuse else {}
-        if paths.tokens == 1 and paths.ex.runs_pallas("moe_experts") and paths.ex.runs_pallas("moe_route"):
-            with jax.named_scope("moe_experts"):  # decode: the up kernel routes the token itself, no select launch
-                y = paths.op("moe_routed_experts")(x, self.router[...], self.router_bias[...], *w, self.limit,
-                                                   tokens=1, **self.routing(cfg, paths), **extra)
+        routed_args = (x, self.router[...], self.router_bias[...], *w, self.limit)
+        routed_kwargs = dict(tokens=1, **self.routing(cfg, paths), **extra)
+        # decode: the up kernel routes the token itself, no select launch. Where a GPU refuses that kernel the
+        # decode routes and runs the experts as a verify does (one form for both: row invariance)
+        if (paths.tokens == 1 and paths.ex.runs_pallas("moe_experts") and paths.ex.runs_pallas("moe_route")
+                and paths.ex.runs_kernel("moe_routed_experts", *routed_args, **routed_kwargs)):
+            with jax.named_scope("moe_experts"):
+                y = paths.op("moe_routed_experts")(*routed_args, **routed_kwargs)
         else:
             weights, experts = self.route(cfg, x, paths)
             with jax.named_scope("moe_experts"):

@@ -9,22 +9,28 @@ accepts but Triton rejects fails here, not on the GPU. Abstract weights: no memo
 import logging
 
 import jax
+import jax.extend
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 from jax._src.pallas.triton import gpu_info
 
 from conftest import FIXTURES
-from lingjax import engine, target
-from lingjax.config import LingConfig, preset
-from lingjax.model import abstract_model
+from lingjax import engine, kernels, target
+from lingjax.ops import moe as moe_ops
+from lingjax.config import MOE, VERIFY_ROWS, LingConfig, preset
+from lingjax.execution import Exec
+from lingjax.model import MoE, _Init, abstract_model, paths_for
 from lingjax.pallas.grid_dependency import WAIT_ASM
 from lingjax.runtime import Model, RunOptions
+from lingjax.shipped import DEFAULT_CHECKPOINT, DEFAULT_NAME
 from lingjax.sampling import SamplingParams
 from lingjax.spec.step import SpecState
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
-CONFIGS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").exists()) + ["tiny", "mid"]
+CONFIGS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").exists()) + ["tiny", "mid", DEFAULT_NAME]
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +40,8 @@ def h200(monkeypatch):
 
 
 def _config(name: str) -> LingConfig:
+    if name == DEFAULT_NAME:
+        return LingConfig.from_file(DEFAULT_CHECKPOINT / "config.json")
     return LingConfig.from_file(FIXTURES / name / "config.json") if (FIXTURES / name).is_dir() else preset(name)
 
 
@@ -70,3 +78,56 @@ def test_every_program_lowers_with_auto_kernels(name, caplog):
     for message in fallbacks:  # each names the op and a reason
         assert message.split(":")[1].strip().split()[0] in ("kda_chain", "kda_chunked", "mla_absorbed", "moe_route",
                                                               "moe_experts", "moe_routed_experts"), message
+
+
+# the ops whose rounding depends on their shapes: reductions, GEMMs, kernels (slices and pads aside)
+_ROUNDING = ("dot_general", "reduce_sum", "reduce_max", "argmax", "top_k", "pallas_call", "gather", "scatter-add")
+
+
+def _rounding_ops(jaxpr) -> list:
+    """(primitive, operand shapes) of every rounding op in a jaxpr, its sub-jaxprs included, in order."""
+    ops = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _ROUNDING:
+            ops.append((eqn.primitive.name, tuple(tuple(v.aval.shape) for v in eqn.invars)))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            ops.extend(_rounding_ops(sub))
+    return ops
+
+
+@pytest.mark.parametrize("name", [DEFAULT_NAME, "mid"])
+def test_moe_decode_and_verify_round_rows_alike(name, caplog):
+    """Row invariance of a MoE sub-layer for an H200: a decode (T = 1) and a verify (T = 4) run the same
+    reductions on the same shapes, or the decode is the fused Pallas kernel (which reads row 0 as a verify
+    reads row j). The shipped model's expert width is one the Pallas expert kernels refuse: its fallback
+    runs on every padded row (a fallback on the real rows alone rounds by T on the GPU, so bf16 speculation
+    there would not be lossless)."""
+    cfg = _config(name)
+    moe = MoE(cfg, _Init(nnx.Rngs(0), jnp.bfloat16), layer_id=cfg.mlp_types.index(MOE))
+    x = jax.random.normal(jax.random.key(1), (VERIFY_ROWS, cfg.hidden_size), jnp.bfloat16)
+    ex = Exec(kernels="pallas")
+    kernels.forget_fallbacks()  # each is said once a process: an earlier test may have heard this one
+    with caplog.at_level(logging.WARNING, logger="lingjax"), target.compile_for("gpu", jax.devices()[:1]):
+        decode, verify = (_rounding_ops(jax.make_jaxpr(lambda x, t=t: moe(cfg, x, paths_for(t, ex)))(x).jaxpr)
+                          for t in (1, 4))
+    kernels_in = [op for op, _ in decode].count("pallas_call"), [op for op, _ in verify].count("pallas_call")
+    if name == DEFAULT_NAME:
+        assert kernels_in == (0, 0) and "runs its XLA reference" in caplog.text
+        assert decode == verify
+    else:  # Flash's shapes: the decode's fused launches route the token themselves, a verify has a router launch
+        assert 0 < kernels_in[0] < kernels_in[1], kernels_in
+        assert "runs its XLA reference" not in caplog.text
+
+
+def test_expert_fallback_computes_the_real_rows():
+    """experts_all_rows (the GPU's fallback) gives the reference's result on the real rows."""
+    cfg = _config(DEFAULT_NAME)
+    moe = MoE(cfg, _Init(nnx.Rngs(2), jnp.float32), layer_id=cfg.mlp_types.index(MOE))
+    x = jax.random.normal(jax.random.key(3), (VERIFY_ROWS, cfg.hidden_size), jnp.float32)
+    w = (moe.w_gate[...], moe.w_up[...], moe.w_down[...])
+    weights, chosen = moe_ops.route(x, moe.router[...], moe.router_bias[...], **moe.routing(cfg, paths_for(3)))
+    want = moe_ops.experts(x, *w, weights, chosen, moe.limit, tokens=3)
+    got = moe_ops.experts_all_rows(x, *w, weights, chosen, moe.limit, tokens=3)
+    assert got.shape == want.shape == (3, cfg.hidden_size) and np.isfinite(np.asarray(got)).all()
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert err < 1e-5, err

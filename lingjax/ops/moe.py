@@ -78,6 +78,31 @@ def experts(x, w_gate, w_up, w_down, weights, experts, limit: float = 0.0, *, to
     return y if shared is None else y + mlp(x, *shared, shared_limit)[:t]
 
 
+def experts_all_rows(x, w_gate, w_up, w_down, weights, chosen, limit: float = 0.0, *, tokens=None, shared=None,
+                     shared_limit: float = 0.0):
+    """`experts` on every row of a decode/verify-shaped x ([VERIFY_ROWS, D]), then its first T = `tokens` rows:
+    one set of shapes whatever T, so row j rounds alike in a T=1 decode and in a verify (row invariance,
+    lingjax.model), for R/T times the gathered weights. What a GPU runs where the Pallas expert kernels refuse
+    a model's shapes: on the real rows alone XLA picks the gathered GEMVs' and the k-slot sum's reductions by T
+    there. Larger x (prefill): `experts` itself."""
+    if x.shape[0] > VERIFY_ROWS:
+        return experts(x, w_gate, w_up, w_down, weights, chosen, limit, tokens=tokens, shared=shared,
+                       shared_limit=shared_limit)
+    t = x.shape[0] if tokens is None else tokens
+    y = experts(x, w_gate, w_up, w_down, weights, chosen, limit, shared=shared, shared_limit=shared_limit)
+    return y[:t]
+
+
+def routed_experts_all_rows(x, router_w, bias, w_gate, w_up, w_down, limit: float = 0.0, *, top_k, n_group,
+                            topk_group, scaling, renormalize, precision="f32", tokens=None, shared=None,
+                            shared_limit: float = 0.0):
+    """route, then experts_all_rows: routed_experts' row-invariant form (see experts_all_rows)."""
+    weights, chosen = route(x, router_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                            scaling=scaling, renormalize=renormalize, precision=precision)
+    return experts_all_rows(x, w_gate, w_up, w_down, weights, chosen, limit, tokens=tokens, shared=shared,
+                            shared_limit=shared_limit)
+
+
 def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit: float = 0.0, *, top_k, n_group, topk_group,
                    scaling, renormalize, precision="f32", tokens=None, shared=None, shared_limit: float = 0.0):
     """route (on all of x's rows), then `experts` of the first T = `tokens` rows (default all) -> [T, D] f32."""
