@@ -96,7 +96,9 @@ def step_compiler_options(compile_options: CompileOptions = CompileOptions()) ->
     """The GPU compiler options of the step programs: the whole step in CUDA graphs (loops and conditionals
     included; collectives only with collectives_in_graphs), XLA's dot merger off (it would copy weights
     to merge GEMMs of one input), programmatic dependent launch on (every Pallas kernel waits for its
-    producers: lingjax.pallas.grid_dependency), then compile_options.xla_options. Also for a bench that
+    producers: lingjax.pallas.grid_dependency), XLA's GEMM autotuning off (it picks a GEMM's algorithm by
+    timing, program by program, so a decode and a verify could round one shape two ways: row invariance
+    needs the choice to follow from the shape), then compile_options.xla_options. Also for a bench that
     compiles its own loop the same way."""
     return {
         "xla_gpu_enable_command_buffer": COMMAND_BUFFERS + (",COLLECTIVES" if compile_options.collectives_in_graphs
@@ -104,6 +106,7 @@ def step_compiler_options(compile_options: CompileOptions = CompileOptions()) ->
         "xla_gpu_graph_min_graph_size": 1,
         "xla_gpu_dot_merger_threshold_mb": 0,
         "xla_gpu_enable_pdl": True,
+        "xla_gpu_autotune_level": 0,
         **dict(compile_options.xla_options),
     }
 

@@ -131,3 +131,14 @@ def test_expert_fallback_computes_the_real_rows():
     assert got.shape == want.shape == (3, cfg.hidden_size) and np.isfinite(np.asarray(got)).all()
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 1e-5, err
+
+
+def test_step_programs_compile_without_gemm_autotuning():
+    """The step programs pick each GEMM's algorithm by its shape, not by timing (XLA's autotuner times each
+    program apart, so a decode and a verify could round one shape two ways): lossless bf16 speculation on the
+    GPU depends on it (bench/results/embedded_h200_2026-12-03_final.md). An A/B option still overrides it."""
+    from lingjax.runtime import CompileOptions, step_compiler_options
+
+    assert step_compiler_options()["xla_gpu_autotune_level"] == 0
+    ab = CompileOptions(xla_options=(("xla_gpu_autotune_level", 4),))
+    assert step_compiler_options(ab)["xla_gpu_autotune_level"] == 4
