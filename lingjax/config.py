@@ -306,11 +306,11 @@ _FLASH = {
     "pad_token_id": 156892,
 }
 
-# A small model with every feature of Flash (both attention kinds, dense + MoE, groups, MTP,
+# A small model with every feature of Flash (both attention kinds in one group, dense + MoE, MTP,
 # SwiGLU limits) for the CLI on a fresh machine and for tests.
 _TINY = {
     **_FLASH,
-    "num_hidden_layers": 6,
+    "num_hidden_layers": 3,
     "layer_group_size": 3,
     "first_k_dense_replace": 1,
     "hidden_size": 64,
@@ -330,8 +330,8 @@ _TINY = {
     "qk_rope_head_dim": 8,
     "v_head_dim": 16,
     "rope_theta": 10000.0,
-    "expert_swiglu_limit_list": [0, 0, 0, 0, 6.0, 6.0, 6.0],
-    "share_expert_swiglu_limit_list": [0, 0, 0, 0, 0, 8.0, 8.0],
+    "expert_swiglu_limit_list": [0, 6.0, 6.0, 6.0],
+    "share_expert_swiglu_limit_list": [0, 0, 8.0, 8.0],
     "eos_token_id": 511,
     "pad_token_id": 510,
 }

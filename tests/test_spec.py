@@ -267,7 +267,7 @@ def test_verify_then_commit_equals_sequential_decode(n):
         h, seq = forward(jnp.asarray(window[i : i + 1], jnp.int32), seq, len(prompt) + i, 1)
         rows.append(h[0])
     # f32: the verify's M=6 GEMMs and the decode's M=1 GEMMs round differently, and that compounds over
-    # 6 layers and up to 6 recurrent steps (measured up to 1.5e-5); a wrong row or commit is O(1)
+    # the layers and up to 6 recurrent steps (measured up to 1.5e-5); a wrong row or commit is O(1)
     for got, want in zip(committed.layers, seq.layers):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             if a.shape[0] == 64:  # MLA latent cache: compare the committed prefix
