@@ -6,6 +6,10 @@ one tensor, shape, dtype) before a single tensor's data is read, so a bad checkp
 one CheckpointError naming the tensor and the file. Data then streams one parameter at a time:
 per-expert tensors (and a KDA layer's input projections and conv taps) are stacked into their [N, ...]
 parameter as they arrive, so host memory holds at most one parameter (the real checkpoint is ~250 GB).
+
+The official fp8 layout (docs/fp8.md) is checked tensor by tensor (scales present, shaped by the block size, F32;
+no listed-unquantized module stored in fp8) and, in this version, loads dequantized into the model's dtype;
+`convert_fp8` writes it from a bf16 checkpoint.
 """
 
 from __future__ import annotations
@@ -24,11 +28,15 @@ from safetensors import safe_open
 
 from lingjax.config import KDA, MOE, LingConfig
 from lingjax.model import LingModel, abstract_model
+from lingjax.ops import fp8 as fp8_ops
+from lingjax.quantization import Fp8Config
 
 INDEX_FILE = "model.safetensors.index.json"
 ORBAX_DIR = "params"
 META_FILE = "lingjax.json"
 ACCEPTED_DTYPES = {"F32": np.float32, "BF16": jnp.bfloat16}
+FP8_DTYPE = "F8_E4M3"  # a quantized weight (with a float32 X.weight_scale_inv beside it; docs/fp8.md)
+SCALE_SUFFIX = "_scale_inv"
 PARAM_LAYOUT = 2  # orbax parameter tree version; 2: KDA q/k/v/f/g stacked into in_proj, q/k/v conv into conv
 
 
@@ -175,13 +183,29 @@ class _Files:
     def read(self, key: str) -> np.ndarray:
         name = self.where[key]
         try:
+            if self.header(key)[1] == FP8_DTYPE:
+                return _read_raw(self.directory / name, key, fp8_ops.FP8)
             return self.handles[name].get_tensor(key)
         except Exception as e:
             raise CheckpointError(f"tensor {key} in {self.directory / name}: cannot read data ({e})") from None
 
 
-def _resolve(cfg: LingConfig, files: _Files) -> tuple[list[tuple[TensorSpec, str]], bool]:
-    """Match the table against the files' headers; returns [(spec, key present)] and MTP presence."""
+def _read_raw(path: Path, key: str, dtype) -> np.ndarray:
+    """One tensor's bytes as `dtype`, from the safetensors header's offsets (safetensors' numpy reader has no
+    float8 dtype)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(size))[key]
+        start, end = info["data_offsets"]
+        f.seek(8 + size + start)
+        data = f.read(end - start)
+    return np.frombuffer(data, np.dtype(dtype)).reshape(info["shape"])
+
+
+def _resolve(cfg: LingConfig, files: _Files, fp8: Fp8Config | None = None
+             ) -> tuple[list[tuple[TensorSpec, str]], bool]:
+    """Match the table against the files' headers; returns [(spec, key present)] and MTP presence. With an fp8
+    layout, a float8_e4m3fn weight must be a matrix, not listed as unquantized, and have its scales."""
     mtp_prefix = f"model.layers.{cfg.mtp_layer_id}."
     with_mtp = any(k.startswith(mtp_prefix) for k in files.where)
     resolved, used = [], set()
@@ -197,8 +221,11 @@ def _resolve(cfg: LingConfig, files: _Files) -> tuple[list[tuple[TensorSpec, str
         key = present[0]
         shape, dtype = files.header(key)
         where = files.directory / files.where[key]
-        if dtype not in ACCEPTED_DTYPES:
-            raise CheckpointError(f"tensor {key} in {where} has dtype {dtype}; expected one of {sorted(ACCEPTED_DTYPES)}")
+        if dtype == FP8_DTYPE:
+            used.add(_check_fp8(key, spec, files, fp8))
+        elif dtype not in ACCEPTED_DTYPES:
+            raise CheckpointError(f"tensor {key} in {where} has dtype {dtype}; expected one of {sorted(ACCEPTED_DTYPES)}"
+                                  + (f" or {FP8_DTYPE} (the fp8 layout)" if fp8 else ""))
         if int(np.prod(shape)) != int(np.prod(spec.shape)) or shape not in _accepted_shapes(spec.shape):
             raise CheckpointError(f"tensor {key} in {where} has shape {list(shape)} but config.json implies "
                                   f"{list(spec.shape)}")
@@ -210,6 +237,42 @@ def _resolve(cfg: LingConfig, files: _Files) -> tuple[list[tuple[TensorSpec, str
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         raise CheckpointError(f"unexpected tensors in {files.directory}: {shown}{more}")
     return resolved, with_mtp
+
+
+def _check_fp8(key: str, spec: TensorSpec, files: _Files, fp8: Fp8Config | None) -> str:
+    """The checks of one float8_e4m3fn tensor; returns its scale's key."""
+    where = files.directory / files.where[key]
+    if fp8 is None:
+        raise CheckpointError(f"tensor {key} in {where} is {FP8_DTYPE}, but config.json has no quantization_config "
+                              "(the fp8 layout's block size and scale format)")
+    if len(spec.shape) != 2 or not key.endswith(".weight"):
+        raise CheckpointError(f"tensor {key} in {where} is {FP8_DTYPE}, but only matrix weights (X.weight) can be "
+                              "quantized")
+    module = key[: -len(".weight")]
+    if fp8.excludes(module):
+        raise CheckpointError(f"tensor {key} in {where} is {FP8_DTYPE}, but quantization_config lists {module} as not "
+                              "converted")
+    scale_key = key + SCALE_SUFFIX
+    if scale_key not in files.where:
+        raise CheckpointError(f"tensor {key} in {where} is {FP8_DTYPE} but its scales {scale_key} are missing")
+    scale_shape, scale_dtype = files.header(scale_key)
+    scale_where = files.directory / files.where[scale_key]
+    if scale_dtype != "F32":
+        raise CheckpointError(f"tensor {scale_key} in {scale_where} has dtype {scale_dtype}; fp8 scales are F32")
+    want = fp8_ops.scale_shape(spec.shape, fp8.block)
+    if scale_shape != want:
+        raise CheckpointError(f"tensor {scale_key} in {scale_where} has shape {list(scale_shape)}, but {key} "
+                              f"{list(spec.shape)} in blocks of {list(fp8.block)} needs {list(want)}")
+    return scale_key
+
+
+def _read_weight(files: _Files, key: str, fp8: Fp8Config | None) -> np.ndarray:
+    """A tensor's values; an fp8 one dequantized with its scales (q · scale_inv, in f32)."""
+    array = files.read(key)
+    if files.header(key)[1] != FP8_DTYPE:
+        return array
+    scale = files.read(key + SCALE_SUFFIX)
+    return np.asarray(fp8_ops.dequantize(array, scale, jnp.float32, fp8.block))
 
 
 def _accepted_shapes(shape: tuple[int, ...]) -> set[tuple[int, ...]]:
@@ -242,7 +305,8 @@ def load_safetensors(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
     """Load an official-layout checkpoint into a LingModel. `place(path, array)` puts one parameter on
     its device(s) (default: jax.device_put); `progress(done, total)` reports parameters loaded."""
     files = _Files(Path(directory))
-    resolved, with_mtp = _resolve(cfg, files)
+    fp8 = read_fp8_config(Path(directory))
+    resolved, with_mtp = _resolve(cfg, files, fp8)
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype, with_mtp=with_mtp))
     targets = nnx.to_pure_dict(abstract)
     place = place or (lambda path, array: jax.device_put(array))
@@ -258,7 +322,7 @@ def load_safetensors(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
         target = _get(targets, path)
         host = np.empty(target.shape, target.dtype)
         for spec, key in parts:
-            array = files.read(key).reshape(target.shape[1:] if spec.index is not None else target.shape)
+            array = _read_weight(files, key, fp8).reshape(target.shape[1:] if spec.index is not None else target.shape)
             if spec.index is None:
                 host[...] = array
             else:
@@ -268,6 +332,17 @@ def load_safetensors(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
         if progress:
             progress(done, len(groups))
     return _merge(graphdef, abstract, params)
+
+
+def read_fp8_config(directory: Path) -> Fp8Config | None:
+    """The fp8 layout directory/config.json declares (None: none, or no config.json)."""
+    path = directory / "config.json"
+    if not path.exists():
+        return None
+    try:
+        return Fp8Config.from_hf(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
 
 
 def _merge(graphdef, abstract, params: dict) -> LingModel:
@@ -323,6 +398,48 @@ def load_orbax(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
     return _merge(graphdef, abstract, params)
 
 
+def convert_fp8(hf_dir: str | Path, out_dir: str | Path, scale_fmt: str = "float32",
+                progress: Callable[[int, int], None] | None = None) -> Fp8Config:
+    """An official bf16 (or f32) checkpoint -> the same checkpoint in the official fp8 layout (128 x 128 blocks;
+    FP8_NOT_CONVERTED, vectors, embeddings and conv taps left as they are), file by file (host memory holds one
+    file's tensors), with its tokenizer files. The source is checked whole first. Returns the layout written."""
+    from safetensors.numpy import save_file
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    raw = json.loads((hf_dir / "config.json").read_text())
+    if raw.get("quantization_config") is not None:
+        raise CheckpointError(f"{hf_dir}: already quantized (config.json has a quantization_config)")
+    files = _Files(hf_dir)
+    _resolve(LingConfig.from_hf(raw), files)
+    fp8 = Fp8Config(scale_fmt=scale_fmt, not_converted=FP8_NOT_CONVERTED)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for done, (name, handle) in enumerate(files.handles.items(), 1):
+        tensors = {}
+        for key in handle.keys():
+            array = files.read(key)
+            if _quantizes(fp8, key, array.shape):
+                tensors[key], tensors[key + SCALE_SUFFIX] = fp8_ops.quantize(array, fp8.block, fp8.scale_fmt)
+            else:
+                tensors[key] = array
+        save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        if progress:
+            progress(done, len(files.handles))
+    (out_dir / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    (out_dir / "config.json").write_text(json.dumps(raw | {"quantization_config": fp8.to_hf()}, indent=2))
+    _copy_tokenizer(hf_dir, out_dir)
+    return fp8
+
+
+def _copy_tokenizer(hf_dir: Path, out_dir: Path) -> None:
+    from lingjax.tokenizer import TOKENIZER_FILES
+
+    for extra in TOKENIZER_FILES:  # the tokenizer, its special tokens and chat template, the stop ids
+        if (hf_dir / extra).exists():
+            shutil.copy(hf_dir / extra, out_dir / extra)
+
+
 def convert(hf_dir: str | Path, out_dir: str | Path, dtype=jnp.bfloat16,
             progress: Callable[[int, int], None] | None = None) -> LingModel:
     """Official safetensors checkpoint -> lingjax orbax checkpoint (the fast load path)."""
@@ -331,28 +448,42 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype=jnp.bfloat16,
     cfg = LingConfig.from_hf(raw)
     model = load_safetensors(hf_dir, cfg, dtype, progress=progress)
     save_orbax(model, out_dir, raw)
-    from lingjax.tokenizer import TOKENIZER_FILES
-
-    for extra in TOKENIZER_FILES:  # the tokenizer, its special tokens and chat template, the stop ids
-        if (hf_dir / extra).exists():
-            shutil.copy(hf_dir / extra, Path(out_dir) / extra)
+    _copy_tokenizer(hf_dir, Path(out_dir))
     return model
 
 
-def save_safetensors(model: LingModel, out_dir: str | Path, max_tensors_per_file: int = 0) -> None:
+# what `lingjax convert --fp8` leaves unquantized: the router (its choices are discrete) and lm_head (the
+# logits); embeddings, norms and the KDA conv taps are no matrices it quantizes
+FP8_NOT_CONVERTED = ("lm_head", "mlp.gate")
+
+
+def _quantizes(fp8: Fp8Config, key: str, shape: tuple[int, ...]) -> bool:
+    return (len(shape) == 2 and key.endswith(".weight") and key != "model.word_embeddings.weight"
+            and not fp8.excludes(key[: -len(".weight")]))
+
+
+def save_safetensors(model: LingModel, out_dir: str | Path, max_tensors_per_file: int = 0,
+                     fp8: Fp8Config | None = None) -> None:
     """Write a model in the official layout (config.json + safetensors, sharded with an index when
-    max_tensors_per_file > 0): the inverse of load_safetensors, used to make test checkpoints."""
+    max_tensors_per_file > 0): the inverse of load_safetensors, used to make test checkpoints. With `fp8`, in
+    the fp8 layout: every matrix weight not listed in fp8.not_converted as float8_e4m3fn with its scales, and
+    config.json's quantization_config."""
     from safetensors.numpy import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
+    config = model.cfg.to_hf() | ({"quantization_config": fp8.to_hf()} if fp8 else {})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tensors = {}
     for spec in tensor_table(model.cfg, model.has_mtp):
         array = np.asarray(_get(params, spec.path))
-        tensors[spec.names[0]] = np.ascontiguousarray((array[spec.index] if spec.index is not None else array)
-                                                      .reshape(spec.shape))
+        array = np.ascontiguousarray((array[spec.index] if spec.index is not None else array).reshape(spec.shape))
+        name = spec.names[0]
+        if fp8 and _quantizes(fp8, name, spec.shape):
+            tensors[name], tensors[name + SCALE_SUFFIX] = fp8_ops.quantize(array, fp8.block, fp8.scale_fmt)
+        else:
+            tensors[name] = array
     names = list(tensors)
     per_file = max_tensors_per_file or len(names)
     chunks = [names[i : i + per_file] for i in range(0, len(names), per_file)]

@@ -262,7 +262,18 @@ def cmd_convert(args) -> int:
 
     import jax.numpy as jnp
 
-    convert(args.hf_dir, args.out_dir, dtype=getattr(jnp, args.dtype), progress=Progress("converting parameters"))
+    if args.fp8 and args.dtype != "bfloat16":
+        raise UsageError("--dtype has no effect with --fp8 (the fp8 layout keeps the other tensors as they are)")
+    if not args.fp8 and args.scale_fmt != "float32":
+        raise UsageError("--scale-fmt has no effect without --fp8")
+    if not (args.hf_dir / "config.json").exists():
+        raise UsageError(f"{args.hf_dir}: no config.json (expected an official checkpoint directory)")
+    if args.fp8:
+        from lingjax.checkpoint import convert_fp8
+
+        convert_fp8(args.hf_dir, args.out_dir, scale_fmt=args.scale_fmt, progress=Progress("quantizing files"))
+    else:
+        convert(args.hf_dir, args.out_dir, dtype=getattr(jnp, args.dtype), progress=Progress("converting parameters"))
     print(f"wrote {args.out_dir}", file=sys.stderr)
     return 0
 
@@ -317,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("hf_dir", type=Path)
     v.add_argument("out_dir", type=Path)
     v.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the saved weights")
+    v.add_argument("--fp8", action="store_true", help="write the official fp8 layout instead (safetensors: "
+                   "float8_e4m3fn weights with 128x128-block scales; router and lm_head kept)")
+    v.add_argument("--scale-fmt", choices=["float32", "ue8m0"], default="float32",
+                   help="with --fp8: the scales' format (ue8m0: powers of two)")
     v.set_defaults(run=cmd_convert)
 
     i = sub.add_parser("info", help="config summary and parameter count (abstract: no memory used)", **_HELP)
