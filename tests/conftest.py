@@ -43,10 +43,6 @@ def _compilation_cache() -> tuple[str, bool]:
 _CACHE_DIR, _MADE_CACHE = _compilation_cache()
 os.environ["LINGJAX_NO_CACHE"] = "1"  # the CLI under test keeps this session's cache, not the user's
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-# Every program, however fast it compiles: most of the suite's programs are small and each compiles in
-# well under JAX's default threshold of a second, yet together they are most of the suite's time.
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_unconfigure(config):
