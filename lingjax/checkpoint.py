@@ -8,8 +8,8 @@ per-expert tensors (and a KDA layer's input projections and conv taps) are stack
 parameter as they arrive, so host memory holds at most one parameter (the real checkpoint is ~250 GB).
 
 The official fp8 layout (docs/fp8.md) is checked tensor by tensor (scales present, shaped by the block size, F32;
-no listed-unquantized module stored in fp8) and, in this version, loads dequantized into the model's dtype;
-`convert_fp8` writes it from a bf16 checkpoint.
+no listed-unquantized module stored in fp8) and loads dequantized into the model's dtype (kernels that read
+fp8 in place are not built yet); `convert_fp8` writes it from a bf16 checkpoint.
 """
 
 from __future__ import annotations
@@ -157,6 +157,7 @@ class _Files:
         if not files:
             raise CheckpointError(f"{directory}: no *.safetensors files")
         self.handles = {}
+        self._raw_headers: dict[str, tuple[int, dict]] = {}  # file -> (data offset, header), for _read_raw
         self.where: dict[str, str] = {}
         for name in files:
             path = directory / name
@@ -184,22 +185,24 @@ class _Files:
         name = self.where[key]
         try:
             if self.header(key)[1] == FP8_DTYPE:
-                return _read_raw(self.directory / name, key, fp8_ops.FP8)
+                return self._read_raw(name, key, fp8_ops.FP8)
             return self.handles[name].get_tensor(key)
         except Exception as e:
             raise CheckpointError(f"tensor {key} in {self.directory / name}: cannot read data ({e})") from None
 
-
-def _read_raw(path: Path, key: str, dtype) -> np.ndarray:
-    """One tensor's bytes as `dtype`, from the safetensors header's offsets (safetensors' numpy reader has no
-    float8 dtype)."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        info = json.loads(f.read(size))[key]
-        start, end = info["data_offsets"]
-        f.seek(8 + size + start)
-        data = f.read(end - start)
-    return np.frombuffer(data, np.dtype(dtype)).reshape(info["shape"])
+    def _read_raw(self, name: str, key: str, dtype) -> np.ndarray:
+        """One tensor's bytes as `dtype`, from the safetensors header's offsets (safetensors' numpy reader has
+        no float8 dtype). Each file's header is parsed once."""
+        if name not in self._raw_headers:
+            with open(self.directory / name, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._raw_headers[name] = (8 + size, json.loads(f.read(size)))
+        data_start, header = self._raw_headers[name]
+        start, end = header[key]["data_offsets"]
+        with open(self.directory / name, "rb") as f:
+            f.seek(data_start + start)
+            data = f.read(end - start)
+        return np.frombuffer(data, np.dtype(dtype)).reshape(header[key]["shape"])
 
 
 def _resolve(cfg: LingConfig, files: _Files, fp8: Fp8Config | None = None
