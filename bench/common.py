@@ -162,31 +162,42 @@ def kda_shape(cfg: LingConfig, tp: int = 1) -> KDAShape:
 
 
 # ---- byte floors ----------------------------------------------------------------------------------------
-def moe_layer_bytes(shape: MoEShape, distinct: float, itemsize: int = 2) -> float:
+# An fp8 matrix's bytes per element: one, plus a float32 scale per 128 x 128 block (finer device blocks at TP > 1
+# add at most a few scales more: below 0.1%)
+FP8_MATRIX_BYTES = 1 + 4 / (128 * 128)
+
+
+def moe_layer_bytes(shape: MoEShape, distinct: float, itemsize: int = 2, matrix_itemsize: float | None = None
+                    ) -> float:
     """One device's bytes of a batch-1 MoE layer: the distinct routed experts and the shared one (gate, up, down)
-    at the device's width, and the router weight, replicated."""
-    return (distinct * 3 * shape.i * shape.d + 3 * shape.shared * shape.d + shape.e * shape.d) * itemsize
+    at the device's width (matrix_itemsize bytes per element, default itemsize: fp8 weights), and the router
+    weight, replicated."""
+    matrix = itemsize if matrix_itemsize is None else matrix_itemsize
+    return (distinct * 3 * shape.i * shape.d + 3 * shape.shared * shape.d) * matrix + shape.e * shape.d * itemsize
 
 
 def layer_bytes(cfg: LingConfig, attn: str, mlp: str, distinct: float, width: int, ctx: int, itemsize: int,
-                tp: int) -> float:
+                tp: int, matrix_itemsize: float | None = None) -> float:
     """One decoder layer's bytes on one device at batch 1, verify width `width`, `ctx` cached positions: split
-    weights count 1/tp, replicated ones (router, MLA kv_a_proj and latent cache) in full."""
+    weights count 1/tp, replicated ones (router, MLA kv_a_proj and latent cache) in full. matrix_itemsize: the
+    bytes per element of the projection and expert matrices (default itemsize; FP8_MATRIX_BYTES for fp8 weights:
+    the router, conv taps, caches and states keep theirs)."""
+    matrix = itemsize if matrix_itemsize is None else matrix_itemsize
     d = cfg.hidden_size
     total = 0.0
     if attn == KDA:
         p, h = cfg.kda_dim, cfg.kda_num_heads
-        total += ((6 * p * d + h * d) * itemsize + 3 * p * cfg.conv_size * 4) / tp
+        total += ((6 * p * d + h * d) * matrix + 3 * p * cfg.conv_size * 4) / tp
         total += (1 + width) * h * cfg.kda_head_dim**2 * 4 / tp  # state read + one staged write per row
     else:
         nh = cfg.num_heads
         weights = nh * cfg.qk_head_dim * d + nh * 256 * cfg.kv_lora_rank + nh * d + d * nh * cfg.v_head_dim
-        total += weights * itemsize / tp
-        total += cfg.mla_cache_dim * d * itemsize + ctx * cfg.mla_cache_dim * itemsize  # kv_a_proj + latent cache
+        total += weights * matrix / tp
+        total += cfg.mla_cache_dim * d * matrix + ctx * cfg.mla_cache_dim * itemsize  # kv_a_proj + latent cache
     if mlp == MOE:
-        total += moe_layer_bytes(moe_shape(cfg, tp), distinct, itemsize)  # experts split by width
+        total += moe_layer_bytes(moe_shape(cfg, tp), distinct, itemsize, matrix)  # experts split by width
     else:
-        total += 3 * cfg.intermediate_size * d * itemsize / tp
+        total += 3 * cfg.intermediate_size * d * matrix / tp
     return total
 
 
@@ -310,6 +321,8 @@ _OPTIONS = {
                     help="auto (lingjax.load's default): Pallas on a GPU, the XLA references elsewhere"),
     "dtype": dict(default="bfloat16", choices=("bfloat16", "float32")),
     "router_precision": dict(default="f32", choices=("f32", "bf16")),
+    "weights": dict(default="dense", choices=("dense", "fp8"),
+                    help="dense: every weight in the model dtype; fp8: the matrices in fp8 (lingjax.load weights=)"),
     "xla_option": dict(type=xla_option, action="append", default=[], metavar="xla_NAME=VALUE",
                        help="an XLA debug option for the programs (repeatable: all at once)"),
     "kernel_option": dict(type=kernel_option, action="append", default=[], metavar="OP:FIELD=VALUE",

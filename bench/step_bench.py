@@ -5,6 +5,7 @@
     python bench/step_bench.py --model flash --tp 2 --kernels pallas --graphs split whole
     python bench/step_bench.py --model flash --tp 2 --kernels pallas --rounds-per-call 1 4
     python bench/step_bench.py --model flash --tp 2 --kernels pallas --kernel-option kda_chain:block_v=16
+    python bench/step_bench.py --model mid --kernels pallas --weights dense fp8   # bf16 against fp8 weights
     python bench/step_bench.py --smoke        # the tiny preset, a small probe, few steps: a CPU check
 
 For each TP size (random weights made shard by shard on the devices, the same weights at every size), kernel
@@ -50,7 +51,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import lingjax
-from common import (Report, add_options, heading, launch_summary, layer_bytes, parser, progress, read_bandwidth,
+from common import (FP8_MATRIX_BYTES, Report, add_options, heading, launch_summary, layer_bytes, parser, progress, read_bandwidth,
                     tuning_for, tuning_label, xla_label)
 from lingjax import engine, profiling
 from lingjax.config import MOE
@@ -60,13 +61,16 @@ from lingjax.sampling import SamplingParams
 
 def step_bytes(model, distinct_per_layer, width: int, draft_forwards: int, ctx: int) -> float:
     """Bytes one device reads in one step at batch 1 (module docstring): the layers at verify width `width`, then
-    `draft_forwards` MTP forwards (eh_proj, an MLA/MoE block reading k experts, lm_head)."""
+    `draft_forwards` MTP forwards (eh_proj, an MLA/MoE block reading k experts, lm_head). With fp8 weights the
+    quantized matrices count one byte per element plus their scales (common.FP8_MATRIX_BYTES)."""
     cfg, item, tp = model.cfg, jnp.dtype(model.dtype).itemsize, model.tp
+    matrix = FP8_MATRIX_BYTES if model.fp8 else item
     d = cfg.hidden_size
     lm_head = cfg.vocab_size * d * item / tp  # read once for all rows
-    total = lm_head + sum(layer_bytes(cfg, attn, mlp, distinct_per_layer[i], width, ctx, item, tp)
+    total = lm_head + sum(layer_bytes(cfg, attn, mlp, distinct_per_layer[i], width, ctx, item, tp, matrix)
                           for i, (attn, mlp) in enumerate(zip(cfg.layer_types, cfg.mlp_types)))
-    mtp = 2 * d * d * item + layer_bytes(cfg, "mla", MOE, cfg.num_experts_per_tok, 1, ctx, item, tp) + lm_head
+    mtp = (2 * d * d * matrix + layer_bytes(cfg, "mla", MOE, cfg.num_experts_per_tok, 1, ctx, item, tp, matrix)
+           + lm_head)
     return total + draft_forwards * mtp
 
 
@@ -238,13 +242,15 @@ def variants(base, args):
                                compile=compile_options)
 
 
-def bench_tp(tp: int, args, say) -> tuple[list, dict]:
-    """Every variant at one TP size -> (table rows (tp, variant, step, s/step, host s/step, kernels, bytes),
-    censuses by variant)."""
+def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
+    """Every variant at one TP size and weight format -> (table rows (tp, weights, variant, step, s/step, host
+    s/step, kernels, bytes), censuses by variant)."""
     t0 = time.perf_counter()
-    base = lingjax.load(args.model, dtype="bfloat16", tp=tp, router_precision=args.router_precision)
+    base = lingjax.load(args.model, dtype="bfloat16", tp=tp, router_precision=args.router_precision, weights=weights)
     jax.block_until_ready(base.weights)
-    say(f"tp={tp}: {base.num_params() / 1e9:.2f} B params made on device in {time.perf_counter() - t0:.1f} s")
+    held = sum(w.nbytes for w in base.weights) / tp
+    say(f"tp={tp} {weights}: {base.num_params() / 1e9:.2f} B params made on device in {time.perf_counter() - t0:.1f} s "
+        f"({held / 1e9:.1f} GB per device)")
     prompt = np.random.default_rng(0).integers(0, base.cfg.vocab_size, args.prompt_len).astype(np.int32)
     width = args.steps + 1
     window = np.random.default_rng(1).integers(0, base.cfg.vocab_size, width).astype(np.int32)
@@ -260,11 +266,11 @@ def bench_tp(tp: int, args, say) -> tuple[list, dict]:
     for model in variants(base, args):
         measured, census = bench_model(model, args, prompt, say)
         for kind, name, t, host, k in measured:
-            rows.append((tp, variant_name(model), name, t, host, k, bytes_of[kind]))
+            rows.append((tp, weights, variant_name(model), name, t, host, k, bytes_of[kind]))
             say(f"tp={tp} {variant_name(model)}: {name}: {t * 1e6:.0f} µs/step, {bytes_of[kind] / 1e6:.0f} MB read "
                 "per device")
         if census is not None:
-            censuses[f"tp{tp} {variant_name(model)}"] = census
+            censuses[f"tp{tp} {weights} {variant_name(model)}"] = census
         del model
     del base
     gc.collect()
@@ -274,18 +280,18 @@ def bench_tp(tp: int, args, say) -> tuple[list, dict]:
 
 def report_table(rows, bw: float, say) -> None:
     say()
-    say.table("tp", "kernels", "step", "µs/step", "host dispatch µs/step", "kernels in HLO", "MB read per device",
-              "floor µs", "step / floor")
-    for tp, kernels, name, t, host, k, b in rows:
+    say.table("tp", "weights", "kernels", "step", "µs/step", "host dispatch µs/step", "kernels in HLO",
+              "MB read per device", "floor µs", "step / floor")
+    for tp, weights, kernels, name, t, host, k, b in rows:
         floor = b / bw
-        say.row(tp, kernels, name, f"{t * 1e6:.0f}", f"{host * 1e6:.0f}", k, f"{b / 1e6:.0f}", f"{floor * 1e6:.0f}",
+        say.row(tp, weights, kernels, name, f"{t * 1e6:.0f}", f"{host * 1e6:.0f}", k, f"{b / 1e6:.0f}", f"{floor * 1e6:.0f}",
                 f"{t / floor:.2f}")
 
 
 def parse_args(argv=None):
     ap = parser(__doc__)
-    add_options(ap, "model", "tp", "kernels", "router_precision", "xla_option", "kernel_option", "smoke", "out",
-                many=("tp", "kernels"), kernels=["xla", "pallas"])
+    add_options(ap, "model", "tp", "kernels", "router_precision", "weights", "xla_option", "kernel_option", "smoke",
+                "out", many=("tp", "kernels", "weights"), kernels=["xla", "pallas"])
     ap.add_argument("--steps", type=int, default=3, help="NEXTN drafts per round (verify width S+1)")
     ap.add_argument("--graphs", nargs="+", default=["split"], choices=["split", "whole"],
                     help="split: all-reduces outside the CUDA graphs (default); whole: inside")
@@ -313,13 +319,15 @@ def main(argv=None):
     probe = (lambda: read_bandwidth(1 << 20, warm=1, reps=3)) if args.smoke else read_bandwidth
     say = Report(args.out)
     bw_start = probe()
-    heading(say, f"step_bench: {args.model}, bf16, S={args.steps}, router {args.router_precision}, tp {args.tp}")
+    heading(say, f"step_bench: {args.model}, bf16 activations, weights {' '.join(args.weights)}, S={args.steps}, "
+                 f"router {args.router_precision}, tp {args.tp}")
     say(f"read bandwidth per device at the start {bw_start / 1e12:.2f} TB/s")
     rows, censuses = [], {}
     for tp in args.tp:
-        tp_rows, tp_censuses = bench_tp(tp, args, say)
-        rows += tp_rows
-        censuses.update(tp_censuses)
+        for weights in args.weights:
+            tp_rows, tp_censuses = bench_tp(tp, weights, args, say)
+            rows += tp_rows
+            censuses.update(tp_censuses)
     bw_end = probe()
     bw = max(bw_start, bw_end)
     say(f"read bandwidth per device at the end {bw_end / 1e12:.2f} TB/s; floor = bytes one device must read in the "

@@ -303,38 +303,105 @@ def _get(tree, path: tuple):
 Placer = Callable[[tuple, np.ndarray], jax.Array]
 
 
+WEIGHTS = ("auto", "fp8", "dense")  # load(weights=...): as stored, every quantizable matrix in fp8, all in dtype
+
+
 def load_safetensors(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
-                     place: Placer | None = None, progress: Callable[[int, int], None] | None = None) -> LingModel:
+                     place: Placer | None = None, progress: Callable[[int, int], None] | None = None,
+                     weights: str = "auto", tp: int = 1) -> LingModel:
     """Load an official-layout checkpoint into a LingModel. `place(path, array)` puts one parameter on
-    its device(s) (default: jax.device_put); `progress(done, total)` reports parameters loaded."""
+    its device(s) (default: jax.device_put); `progress(done, total)` reports parameters loaded.
+    weights: "auto" keeps the checkpoint's fp8 matrices in fp8 on the device (lingjax.model.Fp8Weight, scales cut
+    for `tp`), "fp8" also quantizes its other matrices as they load (lingjax.quantization.QUANTIZED_NAMES), "dense"
+    loads everything in `dtype` (fp8 dequantized)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     files = _Files(Path(directory))
     fp8 = read_fp8_config(Path(directory))
     resolved, with_mtp = _resolve(cfg, files, fp8)
-    graphdef, abstract = nnx.split(abstract_model(cfg, dtype, with_mtp=with_mtp))
-    targets = nnx.to_pure_dict(abstract)
-    place = place or (lambda path, array: jax.device_put(array))
-
     groups: dict[tuple, list[tuple[TensorSpec, str]]] = {}
     for spec, key in resolved:
         groups.setdefault(spec.path, []).append((spec, key))
     if cfg.tie_word_embeddings:
         groups[("lm_head",)] = groups[("embed",)]
+    layout = _device_layout(files, groups, fp8, weights, tp)
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype, with_mtp=with_mtp, fp8=layout))
+    targets = nnx.to_pure_dict(abstract)
+    place = place or (lambda path, array: jax.device_put(array))
 
     params: dict = {}
     for done, (path, parts) in enumerate(groups.items(), 1):
-        target = _get(targets, path)
-        host = np.empty(target.shape, target.dtype)
-        for spec, key in parts:
-            array = _read_weight(files, key, fp8).reshape(target.shape[1:] if spec.index is not None else target.shape)
-            if spec.index is None:
-                host[...] = array
-            else:
-                host[spec.index] = array
-        _set(params, path, place(path, host))
-        del host
+        if layout is not None and path in layout.paths:
+            q, scale = _read_fp8_param(files, parts, fp8, _get(targets, path))
+            _set(params, path + ("q",), place(path + ("q",), q))
+            _set(params, path + ("scale",), place(path + ("scale",), scale))
+            del q, scale
+        else:
+            target = _get(targets, path)
+            host = np.empty(target.shape, target.dtype)
+            for spec, key in parts:
+                array = _read_weight(files, key, fp8).reshape(target.shape[1:] if spec.index is not None
+                                                              else target.shape)
+                if spec.index is None:
+                    host[...] = array
+                else:
+                    host[spec.index] = array
+            _set(params, path, place(path, host))
+            del host
         if progress:
             progress(done, len(groups))
     return _merge(graphdef, abstract, params)
+
+
+def _device_layout(files: _Files, groups: dict, fp8: Fp8Config | None, weights: str, tp: int):
+    """The Fp8Layout a load keeps on the device (None: no fp8 weights): the parameters the checkpoint stores in
+    fp8 (all parts of a stacked one alike), and with weights="fp8" every other quantizable matrix too."""
+    from lingjax.quantization import Fp8Layout, quantized_paths
+
+    if weights == "dense":
+        return None
+    stored = set()
+    for path, parts in groups.items():
+        kinds = {files.header(key)[1] == FP8_DTYPE for _, key in parts}
+        if kinds == {True}:
+            stored.add(path)
+        elif len(kinds) > 1:
+            fp8_key = next(key for _, key in parts if files.header(key)[1] == FP8_DTYPE)
+            plain = next(key for _, key in parts if files.header(key)[1] != FP8_DTYPE)
+            raise CheckpointError(f"{fp8_key} ({files.where[fp8_key]}) is {FP8_DTYPE} but {plain} "
+                                  f"({files.where[plain]}), stacked into the same parameter, is not")
+    paths = stored | (set(quantized_paths(groups)) if weights == "fp8" else set())
+    if not paths:
+        return None
+    return Fp8Layout(frozenset(paths), block=fp8.block if fp8 else fp8_ops.BLOCK, tp=tp,
+                     scale_fmt=fp8.scale_fmt if fp8 else "float32")
+
+
+def _read_fp8_param(files: _Files, parts, fp8: Fp8Config | None, target) -> tuple[np.ndarray, np.ndarray]:
+    """One fp8 parameter on the host: (q float8_e4m3fn, scales in the target's device blocks), its parts stacked
+    (experts, KDA in_proj). A stored fp8 tensor keeps its values, its scales refined to the device blocks; a
+    plain one is quantized (lingjax.model.quantizer_block blocks)."""
+    from lingjax.model import quantizer_block
+
+    q_target, s_target = target["q"], target["scale"]
+    (n, k), (sn, sk) = q_target.shape[-2:], s_target.shape[-2:]
+    device = (n // sn, k // sk)
+    q = np.empty(q_target.shape, q_target.dtype)
+    scale = np.empty(s_target.shape, np.float32)
+    block = fp8.block if fp8 else fp8_ops.BLOCK
+    for spec, key in parts:
+        if files.header(key)[1] == FP8_DTYPE:
+            values, own = files.read(key), files.read(key + SCALE_SUFFIX)
+            part_scale = fp8_ops.refine_scales(own, values.shape, block, device)
+        else:
+            step = quantizer_block(spec.shape, block)
+            values, own = fp8_ops.quantize(files.read(key), step)
+            part_scale = fp8_ops.refine_scales(own, values.shape, step, device)
+        if spec.index is None:
+            q[...], scale[...] = values, part_scale
+        else:
+            q[spec.index], scale[spec.index] = values, part_scale
+    return q, scale
 
 
 def read_fp8_config(directory: Path) -> Fp8Config | None:
@@ -358,6 +425,7 @@ def save_orbax(model: LingModel, out_dir: str | Path, config_json: dict) -> None
     """Write config.json, lingjax.json and the parameters (orbax) under out_dir."""
     import orbax.checkpoint as ocp
 
+    _refuse_device_fp8(model, "save_orbax")
     out = Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config_json, indent=2))
@@ -366,6 +434,15 @@ def save_orbax(model: LingModel, out_dir: str | Path, config_json: dict) -> None
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(out / ORBAX_DIR, params, force=True)
+
+
+def _refuse_device_fp8(model: LingModel, what: str) -> None:
+    """The writers take dense weights: fp8 on the device has blocks cut for one TP size, not the official layout."""
+    from lingjax.model import Fp8Weight
+
+    if any(isinstance(m, Fp8Weight) for _, m in model.iter_modules()):
+        raise ValueError(f"{what} writes dense weights; this model holds fp8 matrices on the device (load it with "
+                         "weights='dense' first; lingjax convert --fp8 writes the fp8 layout)")
 
 
 def is_orbax(directory: str | Path) -> bool:
@@ -477,6 +554,7 @@ def save_safetensors(model: LingModel, out_dir: str | Path, max_tensors_per_file
     out.mkdir(parents=True, exist_ok=True)
     config = model.cfg.to_hf() | ({"quantization_config": fp8.to_hf()} if fp8 else {})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    _refuse_device_fp8(model, "save_safetensors")
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tensors = {}
     for spec in tensor_table(model.cfg, model.has_mtp):

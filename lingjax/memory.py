@@ -14,8 +14,9 @@ from lingjax.model import abstract_model
 HEADROOM = 0.9  # of a device's free memory the weights may take: caches and workspace need the rest
 
 
-def weight_bytes(cfg: LingConfig, dtype) -> int:
-    state = nnx.state(abstract_model(cfg, dtype), nnx.Param)
+def weight_bytes(cfg: LingConfig, dtype, fp8=None) -> int:
+    """The bytes of the model's parameters in `dtype`, with fp8 (an Fp8Layout) its matrices in fp8 plus scales."""
+    state = nnx.state(abstract_model(cfg, dtype, fp8=fp8), nnx.Param)
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
@@ -37,10 +38,11 @@ def free_bytes(device=None) -> int | None:
     return None
 
 
-def check_fits(cfg: LingConfig, dtype, tp: int = 1, source: str = "the model") -> None:
-    """ValueError when the weights, split over tp devices, would take more than HEADROOM of a device's free
-    memory (the split is taken as even: an estimate, slightly low for the replicated parts)."""
-    need = weight_bytes(cfg, dtype) / tp
+def check_fits(cfg: LingConfig, dtype, tp: int = 1, source: str = "the model", fp8=None) -> None:
+    """ValueError when the weights (fp8: an Fp8Layout, its matrices in fp8), split over tp devices, would take
+    more than HEADROOM of a device's free memory (the split is taken as even: an estimate, slightly low for the
+    replicated parts)."""
+    need = weight_bytes(cfg, dtype, fp8) / tp
     free = free_bytes()
     if free is not None and need > HEADROOM * free:
         where = f"each of {tp} devices" if tp > 1 else f"the {jax.devices()[0].platform.upper()} device"

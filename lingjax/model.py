@@ -38,10 +38,12 @@ from flax import nnx
 from lingjax.cache import KDACache, KDAStaged, MLACache, ModelCache
 from lingjax.config import KDA, MOE, VERIFY_ROWS, LingConfig
 from lingjax.execution import Exec
+from lingjax.quantization import Fp8Layout
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import linear as linear_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
+from lingjax.ops.fp8 import Fp8Array, dense, quantize_on_device, refine_scales_on_device
 from lingjax.ops.norms import gated_rms_norm, rms_norm
 from lingjax.ops.rope import rope_interleaved
 
@@ -88,10 +90,19 @@ def narrow_linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return linear(x, w) if x.shape[0] > VERIFY_ROWS else linear_ops.dot_rows(x, w)
 
 
-def row_linear(x: jax.Array, w: jax.Array, ex: Exec) -> jax.Array:
+def project(x: jax.Array, w, paths: Paths, out_dtype=None) -> jax.Array:
+    """linear(x, w) for a plain or an fp8 weight. An fp8 one (lingjax.ops.fp8.Fp8Array) on decode/verify rows runs
+    op "fp8_linear" (the Pallas kernel reads the fp8 bytes); on prefill rows, where the GEMM is compute bound, XLA's
+    GEMM on the weight dequantized to x's dtype."""
+    if isinstance(w, Fp8Array) and x.shape[0] <= VERIFY_ROWS:
+        return paths.op("fp8_linear")(x, w, out_dtype)
+    return linear(x, w, out_dtype)
+
+
+def row_linear(x: jax.Array, w, paths: Paths) -> jax.Array:
     """Row-parallel projection: under TP w holds this device's slice of the inputs, so the f32
     partial sums are all-reduced (the sub-layer's one all-reduce) before the single rounding."""
-    return ex.psum(linear(x, w, F32)).astype(x.dtype)
+    return paths.ex.psum(project(x, w, paths, F32)).astype(x.dtype)
 
 
 def draw(key, shape, dtype, how: tuple) -> jax.Array:
@@ -121,6 +132,50 @@ class _Init:
         return self.param((n,), ("normal", 1.0, 0.1))
 
 
+class Fp8Weight(nnx.Module):
+    """A matrix parameter kept in fp8 on the device: `q` (float8_e4m3fn [..., N, K]) and its `scale` (float32, one
+    per device block), two Params. w[...] is their lingjax.ops.fp8.Fp8Array, which the ops take in place of an
+    array; `q` keeps the distribution of the weight it quantizes (`random`), for lingjax.runtime.random_model."""
+
+    def __init__(self, q, scale, random=None, block: tuple[int, int] | None = None):
+        self.q = nnx.Param(q, random=random, fp8_block=block)
+        self.scale = nnx.Param(scale, random=("fp8_scale",))
+
+    def __getitem__(self, index) -> Fp8Array:
+        if index is not Ellipsis:
+            raise IndexError("an fp8 weight is read whole (w[...]); index its Fp8Array")
+        return Fp8Array(self.q[...], self.scale[...])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+
+def quantizer_block(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The blocks a weight of `shape` is quantized in by lingjax (random fp8 weights, a bf16 checkpoint quantized
+    as it loads): the layout's, cut to divide the weight (lingjax.ops.fp8.device_block at TP 1), so the values are
+    the same at every TP size; a TP size then only splits their scales (refine_scales)."""
+    from lingjax.ops.fp8 import device_block
+
+    return device_block(shape, block)
+
+
+def quantize_matrices(model: nnx.Module, layout: Fp8Layout) -> None:
+    """Replace each matrix parameter at layout.paths by its Fp8Weight, quantized in quantizer_block blocks with
+    scales cut to the layout's device blocks. Works on concrete weights and under nnx.eval_shape alike."""
+    for path in sorted(layout.paths, key=str):
+        parent = model
+        for key in path[:-1]:
+            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+        param = getattr(parent, path[-1])
+        w = param[...]
+        block = quantizer_block(w.shape, layout.block)
+        device = layout.device_block(path, w.shape)
+        fp8 = quantize_on_device(w, block, layout.scale_fmt)
+        scale = refine_scales_on_device(fp8.scale, w.shape, block, device)
+        setattr(parent, path[-1], Fp8Weight(fp8.q, scale, random=getattr(param, "random", None), block=block))
+
+
 class KDAAttention(nnx.Module):
     def __init__(self, cfg: LingConfig, init: _Init):
         d, p, h = cfg.hidden_size, cfg.kda_dim, cfg.kda_num_heads
@@ -142,7 +197,8 @@ class KDAAttention(nnx.Module):
         h, dk = self.b_proj.shape[0], cfg.kda_head_dim  # heads on this device (all of them without TP)
         with jax.named_scope("kda_proj"):
             w = self.in_proj[...]  # [5, P, D]: the reshape is free, the five slices are contiguous
-            proj = linear(x, w.reshape(-1, w.shape[-1]))  # [rows, 5P] = q | k | v | f | g
+            stacked = w.flatten_rows() if isinstance(w, Fp8Array) else w.reshape(-1, w.shape[-1])
+            proj = project(x, stacked, paths)  # [rows, 5P] = q | k | v | f | g
             p = w.shape[1]  # channels on this device
             # the recurrence and the conv carry state from row to row: they read the real rows only
             qkv, g_out = proj[:t, : 3 * p], proj[:, 4 * p :]
@@ -153,7 +209,7 @@ class KDAAttention(nnx.Module):
         with jax.named_scope("kda_recurrence"):
             if paths.kda_chunked:  # rows == T: no padding rows to skip
                 with jax.named_scope("kda_gate"):
-                    b = narrow_linear(x, self.b_proj)  # [T, H]
+                    b = narrow_linear(x, self.b_proj[...])  # [T, H]
                 f, width = proj[:t, 3 * p : 4 * p], conv_w.shape[1]
                 window = kda_ops.ring_window(ring, start, width)
                 q, k, v, g, beta, window = kda_ops.kda_prepare(qkv, f, b, window, *params, n_valid, **gate_cfg)
@@ -167,14 +223,15 @@ class KDAAttention(nnx.Module):
                 # proj and x whole: the op reads the real rows in place (b = x·b_projᵀ inside) and returns
                 # o on all rows, zero past T, so no slice, pad or b kernel sits on either side of it; it
                 # writes the rows' conv inputs into the ring in place
-                o, staged, ring = paths.op("kda_chain")(proj, x, self.b_proj[...], ring, start, *params, cache.state,
+                o, staged, ring = paths.op("kda_chain")(proj, x, dense(self.b_proj[...], x.dtype), ring, start,
+                                                        *params, cache.state,
                                                         tokens=t, **gate_cfg)
                 state = staged[-1]
             conv = ring.reshape(cache.conv.shape)
         with jax.named_scope("kda_out"):
             gate = g_out.reshape(paths.rows, h, dk)
             y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)  # o: [rows, H, V]
-            y = row_linear(y.reshape(paths.rows, h * dk), self.o_proj, paths.ex)
+            y = row_linear(y.reshape(paths.rows, h * dk), self.o_proj[...], paths)
         return y, KDACache(state=state, conv=conv), None if staged is None else KDAStaged(states=staged, conv=conv)
 
 
@@ -196,9 +253,9 @@ class MLAAttention(nnx.Module):
         h = self.g_proj.shape[0]  # heads on this device
         n, r, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         with jax.named_scope("mla_proj"):
-            q = linear(x, self.q_proj).reshape(t, h, n + r)
+            q = project(x, self.q_proj[...], paths).reshape(t, h, n + r)
             q_nope, q_pe = q[..., :n], rope_interleaved(q[..., n:], positions, cfg.rope_theta)
-            kva = linear(x, self.kv_a_proj)
+            kva = project(x, self.kv_a_proj[...], paths)
             c = rms_norm(kva[:, :lat], self.kv_a_norm[...], cfg.rms_norm_eps)
             k_pe = rope_interleaved(kva[:, lat:], positions, cfg.rope_theta)
         with jax.named_scope("mla_cache_write"):
@@ -206,12 +263,12 @@ class MLAAttention(nnx.Module):
             latent = jax.lax.dynamic_update_slice_in_dim(cache.latent, entry, positions[0], axis=0)
         with jax.named_scope("mla_attention"):
             core = paths.op("mla_absorbed") if paths.mla_absorbed else mla_ops.mla_expanded
-            o = core(q_nope, q_pe, latent, self.kv_b_proj[...], positions, cfg.qk_head_dim**-0.5,
+            o = core(q_nope, q_pe, latent, dense(self.kv_b_proj[...], x.dtype), positions, cfg.qk_head_dim**-0.5,
                      tokens=paths.tokens)
         with jax.named_scope("mla_out"):
-            gate = jax.nn.sigmoid(narrow_linear(x, self.g_proj).astype(F32))  # [T, H]
+            gate = jax.nn.sigmoid(narrow_linear(x, self.g_proj[...]).astype(F32))  # [T, H]
             o = (o * gate[..., None]).astype(x.dtype).reshape(t, h * cfg.v_head_dim)
-            y = row_linear(o, self.o_proj, paths.ex)
+            y = row_linear(o, self.o_proj[...], paths)
         return y, MLACache(latent=latent), None
 
 
@@ -221,12 +278,13 @@ class DenseMLP(nnx.Module):
         self.gate_proj, self.up_proj, self.down_proj = init.matrix(width, d), init.matrix(width, d), init.matrix(d, width)
         self.limit = limit
 
-    def partial(self, x):  # -> f32 [rows, D] (under TP: this device's partial sum, for the caller's psum)
+    def partial(self, x, paths: Paths):  # -> f32 [rows, D] (under TP: this device's partial sum, for the caller's psum)
         with jax.named_scope("dense_mlp"):
-            return moe_ops.mlp(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.limit)
+            g, u = project(x, self.gate_proj[...], paths, F32), project(x, self.up_proj[...], paths, F32)
+            return project(moe_ops.swiglu(g, u, self.limit).astype(x.dtype), self.down_proj[...], paths, F32)
 
     def __call__(self, cfg: LingConfig, x, paths: Paths):  # -> [rows, D] in x's dtype, all-reduced once
-        return paths.ex.psum(self.partial(x)).astype(x.dtype)
+        return paths.ex.psum(self.partial(x, paths)).astype(x.dtype)
 
 
 class MoE(nnx.Module):
@@ -250,7 +308,7 @@ class MoE(nnx.Module):
         """-> (weights [rows, k] f32, experts [rows, k] int32), the real rows' experts shown to Exec.tap as
         "moe_route". A Pallas decode (T = 1) routes inside its expert launches instead and never calls it."""
         with jax.named_scope("moe_router"):
-            weights, experts = paths.op("moe_route")(x, self.router[...], self.router_bias[...],
+            weights, experts = paths.op("moe_route")(x, dense(self.router[...], F32), self.router_bias[...],
                                                      **self.routing(cfg, paths))
         paths.ex.observe("moe_route", experts[: paths.tokens])
         return weights, experts
@@ -262,10 +320,11 @@ class MoE(nnx.Module):
         shared = self.shared
         # the shared expert, when its width matches, runs inside the experts op (in the Pallas kernels: as
         # extra blocks of the same launches)
-        fuse = shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]
+        fuse = (shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]
+                and isinstance(shared.gate_proj, Fp8Weight) == isinstance(self.w_gate, Fp8Weight))
         extra = dict(shared=(shared.gate_proj[...], shared.up_proj[...], shared.down_proj[...]),
                      shared_limit=shared.limit) if fuse else {}
-        routed_args = (x, self.router[...], self.router_bias[...], *w, self.limit)
+        routed_args = (x, dense(self.router[...], F32), self.router_bias[...], *w, self.limit)
         routed_kwargs = dict(tokens=1, **self.routing(cfg, paths), **extra)
         # decode: the up kernel routes the token itself, no select launch. Where a GPU refuses that kernel the
         # decode routes and runs the experts as a verify does (one form for both: row invariance)
@@ -281,7 +340,7 @@ class MoE(nnx.Module):
             y = paths.pad(y)
         if shared is not None and not fuse:
             with jax.named_scope("moe_shared"):
-                y = y + shared.partial(x)
+                y = y + shared.partial(x, paths)
         return paths.ex.psum(y).astype(x.dtype)  # one all-reduce, one rounding of routed + shared
 
 
@@ -318,14 +377,15 @@ class MTPLayer(nnx.Module):
         embedded, hidden = paths.pad(embedded), paths.pad(hidden)
         u = jnp.concatenate([rms_norm(embedded, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)], -1)
         with jax.named_scope("eh_proj"):
-            u = linear(u, self.eh_proj)
+            u = project(u, self.eh_proj[...], paths)
         u, cache, _ = self.block(cfg, u, cache, positions, n_valid, paths)
         return rms_norm(u, self.final_norm[...], eps)[: paths.tokens], cache
 
 
 class LingModel(nnx.Module):
     def __init__(self, cfg: LingConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None,
-                 with_mtp: bool | None = None):
+                 with_mtp: bool | None = None, fp8: Fp8Layout | None = None):
+        """fp8: the matrices kept in fp8 on the device (random weights quantized; None: none)."""
         init = _Init(rngs or nnx.Rngs(0), dtype)
         d = cfg.hidden_size
         self.cfg = cfg
@@ -338,13 +398,20 @@ class LingModel(nnx.Module):
         self.lm_head = init.matrix(cfg.vocab_size, d)
         with_mtp = cfg.num_nextn_predict_layers > 0 if with_mtp is None else with_mtp
         self.mtp = MTPLayer(cfg, init) if with_mtp else None
+        if fp8 is not None:
+            quantize_matrices(self, fp8)
 
     @property
     def has_mtp(self) -> bool:
         return self.mtp is not None
 
     def embed_tokens(self, tokens):
-        return self.embed[...][tokens]
+        w = self.embed[...]
+        if isinstance(w, Fp8Array):  # a checkpoint's fp8 embeddings: the rows' values and their scales' rows
+            gn, gk = w.block
+            scale = jnp.repeat(w.scale[tokens // gn], gk, axis=-1)
+            return (w.q[tokens].astype(F32) * scale).astype(self.dtype)
+        return w[tokens]
 
     def forward(self, tokens, cache: ModelCache, start, n_valid, ex: Exec = Exec()):
         """tokens: [T] int32 at positions start..start+T-1, of which the first n_valid are real
@@ -401,10 +468,26 @@ class LingModel(nnx.Module):
             return self.mtp(self.cfg, self.embed_tokens(tokens), hidden, cache, positions, n_valid, paths)
 
 
-def abstract_model(cfg: LingConfig, dtype=jnp.bfloat16, with_mtp: bool | None = None) -> LingModel:
+def abstract_model(cfg: LingConfig, dtype=jnp.bfloat16, with_mtp: bool | None = None,
+                   fp8: Fp8Layout | None = None) -> LingModel:
     """The model's structure with ShapeDtypeStructs for leaves: no memory is touched."""
-    return nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), with_mtp=with_mtp))
+    return nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), with_mtp=with_mtp, fp8=fp8))
+
+
+def fp8_layout(cfg: LingConfig, tp: int = 1, with_mtp: bool | None = None, scale_fmt: str = "float32") -> Fp8Layout:
+    """The layout of a model quantized by lingjax (random fp8 weights, a bf16 checkpoint quantized as it loads):
+    every matrix lingjax.quantization.QUANTIZED_NAMES names, in the official 128 x 128 blocks, cut for tp."""
+    from lingjax.quantization import quantized_paths
+    from lingjax.sharding import path_keys
+
+    state = nnx.state(abstract_model(cfg, with_mtp=with_mtp), nnx.Param)
+    paths = [path_keys(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+    return Fp8Layout(quantized_paths(paths), tp=tp, scale_fmt=scale_fmt)
 
 
 def param_count(model: LingModel) -> int:
-    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    """The model's weights (an fp8 matrix counts its elements, not its scales)."""
+    from lingjax.sharding import path_keys
+
+    state = nnx.state(model, nnx.Param)
+    return sum(int(x.size) for path, x in jax.tree_util.tree_leaves_with_path(state) if path_keys(path)[-1] != "scale")

@@ -75,3 +75,40 @@ class Fp8Config:
         """Whether the config lists `module` (a tensor name without ".weight") as unquantized: an entry names it
         in full, or names its last components (a suffix at a dot boundary, e.g. "lm_head", "mlp.gate")."""
         return any(module == m or module.endswith("." + m) for m in self.not_converted or ())
+
+
+# The model's matrix weights a quantizer converts (lingjax convert --fp8, random fp8 weights), by parameter name;
+# the router (its choices are discrete), lm_head (the logits) and the embeddings stay as they are.
+QUANTIZED_NAMES = frozenset({"in_proj", "b_proj", "o_proj", "q_proj", "kv_a_proj", "kv_b_proj", "g_proj",
+                             "gate_proj", "up_proj", "down_proj", "w_gate", "w_up", "w_down", "eh_proj"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Layout:
+    """Which of a model's matrices live in fp8 on the device (lingjax.ops.fp8.Fp8Array), and their blocks.
+
+    paths: the parameter paths (as lingjax.sharding.path_keys gives them, e.g. ("layers", 3, "mlp", "w_gate"));
+    block: the checkpoint's (or the quantizer's) scale block; tp: the tensor-parallel size the device blocks are
+    cut for (lingjax.ops.fp8.device_block: every shard holds whole blocks)."""
+
+    paths: frozenset
+    block: tuple[int, int] = BLOCK
+    tp: int = 1
+    scale_fmt: str = "float32"
+
+    def device_block(self, path: tuple, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The (gn, gk) block of the weight at `path` of `shape` on the device at this layout's TP size."""
+        from lingjax.ops.fp8 import device_block
+        from lingjax.sharding import param_spec
+
+        spec = tuple(param_spec(path)) + (None,) * len(shape)
+        sharded = spec[len(shape) - 2:len(shape)]
+        return device_block(shape, self.block, tuple(self.tp if s is not None else 1 for s in sharded))
+
+    def with_tp(self, tp: int) -> Fp8Layout:
+        return dataclasses.replace(self, tp=tp)
+
+
+def quantized_paths(param_paths) -> frozenset:
+    """The paths among `param_paths` a quantizer converts (QUANTIZED_NAMES)."""
+    return frozenset(tuple(p) for p in param_paths if p[-1] in QUANTIZED_NAMES)

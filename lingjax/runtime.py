@@ -27,7 +27,9 @@ from lingjax.cache import ModelCache, init_cache
 from lingjax.config import PRESETS, LingConfig, preset
 from lingjax import kernels as kernel_sets
 from lingjax.execution import Exec, Tuning
-from lingjax.model import LingModel, abstract_model, draw, param_count
+from lingjax.model import Fp8Weight, LingModel, abstract_model, draw, fp8_layout, param_count
+from lingjax.ops import fp8 as fp8_ops
+from lingjax.quantization import Fp8Layout
 from lingjax.sampling import SamplingParams, sample
 from lingjax.memory import check_fits
 from lingjax.requests import check_prompt_ids
@@ -204,6 +206,11 @@ class Model:
     def has_mtp(self) -> bool:
         return self.module.has_mtp
 
+    @property
+    def fp8(self) -> bool:
+        """Whether matrices are held in fp8 on the device (lingjax.model.Fp8Weight; load(weights=...))."""
+        return any(isinstance(m, Fp8Weight) for _, m in self.module.iter_modules())
+
     def num_params(self) -> int:
         return param_count(self.module)
 
@@ -302,32 +309,57 @@ HOST_DRAW_BYTES = 64 << 20
 ONE_PROGRAM_DRAW_BYTES = 2 << 30
 
 
-def random_model(cfg: LingConfig, dtype, seed: int, mesh=None) -> LingModel:
+def random_model(cfg: LingConfig, dtype, seed: int, mesh=None, fp8: Fp8Layout | None = None) -> LingModel:
     """LingModel with random weights, each leaf with the distribution its constructor records
     (lingjax.model._Init) and its own stream (the seed and the leaf's index). Small models are drawn on the
     host and placed; larger ones on the device(s), in one program or leaf by leaf, and with a mesh every
     device draws only its own shards (partitionable threefry), so a model larger than one device, such as
     Flash at TP2, never exists whole anywhere. The weights are a function of (config, dtype, seed): the same
-    for any mesh."""
-    graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+    for any mesh. fp8: the matrices kept in fp8 (lingjax.model.fp8_layout), each drawn in `dtype` and quantized
+    in the same program (Flash in fp8 on one H200: no bf16 copy of the model ever exists)."""
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype, fp8=fp8))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    kinds = [(var.shape, jnp.dtype(var.dtype), var.random) for _, var in leaves]
-    outs = [None if mesh is None else NamedSharding(mesh, sharding.param_spec(sharding.path_keys(path)))
-            for path, _ in leaves]
-    total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt, _ in kinds)
+    keys = [sharding.path_keys(path) for path, _ in leaves]
+    where = {k: i for i, k in enumerate(keys)}
+    outs = [None if mesh is None else NamedSharding(mesh, sharding.param_spec(k)) for k in keys]
+    # one draw per weight: (leaf indices it fills, shape, draw dtype, distribution, fp8 blocks or None)
+    draws = []
+    for i, (key, (_, var)) in enumerate(zip(keys, leaves)):
+        if var.random == ("fp8_scale",):
+            continue
+        if jnp.dtype(var.dtype) == jnp.dtype(fp8_ops.FP8):
+            scale = leaves[where[key[:-1] + ("scale",)]][1]
+            (n, k), (sn, sk) = var.shape[-2:], scale.shape[-2:]
+            draws.append(((i, where[key[:-1] + ("scale",)]), var.shape, jnp.dtype(dtype), var.random,
+                          (var.fp8_block, (n // sn, k // sk))))
+        else:
+            draws.append(((i,), var.shape, jnp.dtype(var.dtype), var.random, None))
+    arrays = [None] * len(leaves)
+    total = sum(int(np.prod(shape)) * dt.itemsize for _, shape, dt, _, _ in draws)
     if total <= HOST_DRAW_BYTES:
-        host = [host_draw(np.random.default_rng([seed, i]), *kind) for i, kind in enumerate(kinds)]
-        arrays = jax.device_put(host, outs if mesh is not None else None)
-    elif total <= ONE_PROGRAM_DRAW_BYTES:
-        base = jax.random.key(seed)
-
-        def draw_all(key):
-            return [draw(jax.random.fold_in(key, i), shape, dt, how) for i, (shape, dt, how) in enumerate(kinds)]
-
-        arrays = jax.jit(draw_all, out_shardings=outs if mesh is not None else None)(base)
+        for fills, shape, dt, how, blocks in draws:
+            w = host_draw(np.random.default_rng([seed, fills[0]]), shape, dt, how)
+            if blocks is None:
+                arrays[fills[0]] = w
+            else:
+                q, scale = fp8_ops.quantize(w, blocks[0])
+                arrays[fills[0]], arrays[fills[1]] = q, fp8_ops.refine_scales(scale, shape, *blocks)
+        arrays = jax.device_put(arrays, outs if mesh is not None else None)
     else:
         base = jax.random.key(seed)
-        arrays = [_drawer(*kind, out)(jax.random.fold_in(base, i)) for i, (kind, out) in enumerate(zip(kinds, outs))]
+        programs = [_drawer(shape, dt, how, blocks, tuple(outs[f] for f in fills))
+                    for fills, shape, dt, how, blocks in draws]
+        if total <= ONE_PROGRAM_DRAW_BYTES:
+            def draw_all(key):
+                return [p.__wrapped__(jax.random.fold_in(key, d[0][0])) for p, d in zip(programs, draws)]
+
+            shardings = [tuple(outs[f] for f in d[0]) for d in draws] if mesh is not None else None
+            drawn = jax.jit(draw_all, out_shardings=shardings)(base)
+        else:
+            drawn = [p(jax.random.fold_in(base, d[0][0])) for p, d in zip(programs, draws)]
+        for (fills, *_), values in zip(draws, drawn):
+            for f, v in zip(fills, values):
+                arrays[f] = v
     return nnx.merge(graphdef, treedef.unflatten([var.replace(a) for (_, var), a in zip(leaves, arrays)]))
 
 
@@ -342,8 +374,17 @@ def host_draw(rng: np.random.Generator, shape, dtype, how: tuple) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def _drawer(shape, dtype, how, out_sharding):
-    return jax.jit(functools.partial(draw, shape=shape, dtype=dtype, how=how), out_shardings=out_sharding)
+def _drawer(shape, dtype, how, blocks, out_shardings):
+    """The jitted draw of one weight -> a tuple of its leaves: (array,), or for fp8 blocks (quantizer block,
+    device block) (q, scale), quantized in the same program (lingjax.model.quantize_matrices' rounding)."""
+    def one(key):
+        w = draw(key, shape, dtype, how)
+        if blocks is None:
+            return (w,)
+        fp8 = fp8_ops.quantize_on_device(w, blocks[0])
+        return fp8.q, fp8_ops.refine_scales_on_device(fp8.scale, shape, *blocks)
+
+    return jax.jit(one, out_shardings=None if out_shardings[0] is None else out_shardings)
 
 
 def resolve(path_or_preset: str | Path) -> tuple[LingConfig, Path | None]:
@@ -375,7 +416,7 @@ _OWN = object()  # load(tokenizer=...) default: the source's own tokenizer
 
 
 def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kernels: str = "auto", seed: int = 0,
-         progress=None, tp: int = 1, router_precision: str = "f32", tokenizer=_OWN) -> Model:
+         progress=None, tp: int = 1, router_precision: str = "f32", tokenizer=_OWN, weights: str = "auto") -> Model:
     """Load a model: the shipped code model (no argument: lingjax.shipped), a preset name (random weights:
     {presets}), a directory in the official
     safetensors layout, or a lingjax (orbax) checkpoint written by `lingjax convert`. tp > 1 shards
@@ -383,10 +424,14 @@ def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kern
     kernels: "auto" (Pallas on a GPU, the XLA references elsewhere), "pallas" or "xla".
     router_precision="bf16" runs the MoE gate GEMV on bf16 operands (faster; a declared rounding
     change, so parity tests keep the default "f32"). tokenizer: a lingjax.Tokenizer (or None) in place of
-    the source's own. Every argument is checked, and the model's size against the free device memory,
+    the source's own. weights: "auto" keeps what a checkpoint stores in fp8 in fp8 on the device (docs/fp8.md),
+    "fp8" quantizes every other matrix too (a preset's random weights, a bf16 checkpoint as it loads), "dense"
+    holds everything in `dtype`. Every argument is checked, and the model's size against the free device memory,
     before any weight is drawn or read."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if weights not in checkpoint.WEIGHTS:
+        raise ValueError(f"weights must be one of {checkpoint.WEIGHTS}, got {weights!r}")
     options = RunOptions(kernels=kernels, router_precision=router_precision)
     jdtype = DTYPES[dtype]
     if path_or_preset is None:
@@ -394,11 +439,16 @@ def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kern
     source = str(path_or_preset)
     cfg, directory = resolve(source)
     mesh = sharding.mesh_for(cfg, tp)  # every parameter goes straight into its shards
-    check_fits(cfg, jdtype, tp, source)
+    stored_fp8 = directory is not None and checkpoint.read_fp8_config(directory) is not None
+    if weights == "fp8" and directory is not None and checkpoint.is_orbax(directory):
+        raise ValueError(f"{directory} is a lingjax (orbax) checkpoint, which loads dense; quantize its official "
+                         "safetensors form instead (lingjax convert --fp8, or weights='fp8' on that directory)")
+    fp8 = fp8_layout(cfg, tp) if weights == "fp8" or (weights == "auto" and stored_fp8) else None
+    check_fits(cfg, jdtype, tp, source, fp8=fp8)
     if tokenizer is _OWN:
         tokenizer = source_tokenizer(cfg, directory, source)  # read before the weights: a bad file fails fast
     if directory is None:
-        return Model(random_model(cfg, jdtype, seed, mesh), options, mesh=mesh, source=f"preset:{source}",
+        return Model(random_model(cfg, jdtype, seed, mesh, fp8=fp8), options, mesh=mesh, source=f"preset:{source}",
                      tokenizer=tokenizer)
     sharding_for = place = None
     if mesh is not None:
@@ -412,7 +462,8 @@ def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kern
     if checkpoint.is_orbax(directory):
         module = checkpoint.load_orbax(directory, cfg, jdtype, sharding_for=sharding_for)
     else:
-        module = checkpoint.load_safetensors(directory, cfg, jdtype, place=place, progress=progress)
+        module = checkpoint.load_safetensors(directory, cfg, jdtype, place=place, progress=progress, weights=weights,
+                                             tp=tp)
     return Model(module, options, mesh=mesh, source=str(directory), tokenizer=tokenizer)
 
 

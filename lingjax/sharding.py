@@ -63,8 +63,10 @@ def mesh_for(cfg: LingConfig, tp: int) -> Mesh | None:
 
 def param_spec(path: tuple) -> P:
     """Partition of the parameter at `path` (its keys in the model's state, e.g. ('layers', 3, 'attn',
-    'q_proj')). Norm weights (input/post/final/enorm/hnorm) are replicated."""
-    name = path[-1]
+    'q_proj')). Norm weights (input/post/final/enorm/hnorm) are replicated. An fp8 matrix's `q` and `scale`
+    (lingjax.model.Fp8Weight) split as the matrix does: its scale blocks are cut so that each shard holds whole
+    blocks (lingjax.ops.fp8.device_block)."""
+    name = path[-2] if path[-1] in ("q", "scale") and len(path) > 1 else path[-1]
     return _BY_NAME.get(name, P())
 
 

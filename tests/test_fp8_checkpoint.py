@@ -47,8 +47,11 @@ def _rewrite(src, dst, edit):
     return dst
 
 
-def _load(directory):
-    return checkpoint.load_safetensors(directory, LingConfig.from_file(directory / "config.json"), jnp.float32)
+def _load(directory, weights="dense"):
+    """The checkpoint loaded in f32; weights="dense" dequantizes its fp8 matrices (tests/test_fp8_device.py keeps
+    them in fp8)."""
+    return checkpoint.load_safetensors(directory, LingConfig.from_file(directory / "config.json"), jnp.float32,
+                                       weights=weights)
 
 
 def _params(model):

@@ -3,12 +3,16 @@
 import jax
 import jax.numpy as jnp
 
+from lingjax.ops.fp8 import dense
+
 F32 = jnp.float32
 
 
 def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x: [..., in]; w: [out, in] -> [..., out] in out_dtype (default: x's dtype), accumulated in f32
-    and rounded once. Under TP a column-parallel weight gives this device's slice of the outputs."""
+    and rounded once. Under TP a column-parallel weight gives this device's slice of the outputs. An fp8 weight
+    (lingjax.ops.fp8.Fp8Array) is dequantized to x's dtype first: the reference of lingjax.pallas.fp8_linear."""
+    w = dense(w, x.dtype)
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32).astype(out_dtype or x.dtype)
 
 
@@ -16,4 +20,4 @@ def dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     """linear for a weight of a few dozen outputs ([N, in], N ~ heads) on a few rows, as a multiply-reduce:
     f32 products, an f32 sum, one rounding to x's dtype (one reduction fusion in XLA: lingjax.model.narrow_linear
     says why). x: [..., in]; w: [N, in] -> [..., N]."""
-    return jnp.sum(x[..., None, :].astype(F32) * w.astype(F32), axis=-1).astype(x.dtype)
+    return jnp.sum(x[..., None, :].astype(F32) * dense(w, x.dtype).astype(F32), axis=-1).astype(x.dtype)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from lingjax.config import VERIFY_ROWS
+from lingjax.ops.fp8 import dense
 from lingjax.ops.linear import linear
 
 F32 = jnp.float32
@@ -55,12 +56,13 @@ def experts_gathered(x, w_gate, w_up, w_down, weights, experts, limit: float = 0
     """Batch-1 path: gather the chosen experts per (token, slot) pair.
 
     x: [T, D]; w_gate/w_up: [E, I, D]; w_down: [E, D, I]; weights, experts: [T, k].
-    Returns Σ_k w·E_k(x) as [T, D] f32.
+    Returns Σ_k w·E_k(x) as [T, D] f32. fp8 experts (lingjax.ops.fp8.Fp8Array) are gathered in fp8 and
+    dequantized to x's dtype.
     """
-    g = jnp.einsum("td,tkid->tki", x, w_gate[experts], preferred_element_type=F32)
-    u = jnp.einsum("td,tkid->tki", x, w_up[experts], preferred_element_type=F32)
+    g = jnp.einsum("td,tkid->tki", x, dense(w_gate[experts], x.dtype), preferred_element_type=F32)
+    u = jnp.einsum("td,tkid->tki", x, dense(w_up[experts], x.dtype), preferred_element_type=F32)
     h = swiglu(g, u, limit).astype(x.dtype)
-    y = jnp.einsum("tki,tkdi->tkd", h, w_down[experts], preferred_element_type=F32)
+    y = jnp.einsum("tki,tkdi->tkd", h, dense(w_down[experts], x.dtype), preferred_element_type=F32)
     return jnp.einsum("tkd,tk->td", y, weights)
 
 
@@ -117,6 +119,7 @@ def experts_sorted(x, w_gate, w_up, w_down, weights, experts, limit: float = 0.0
 
     Same arguments and result as experts_gathered; cost scales with tokens, not with T·k weight copies.
     """
+    w_gate, w_up, w_down = (dense(w, x.dtype) for w in (w_gate, w_up, w_down))
     t, k = experts.shape
     e = w_gate.shape[0]
     flat = experts.reshape(-1)

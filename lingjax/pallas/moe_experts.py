@@ -29,6 +29,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from lingjax.ops.fp8 import Fp8Array
 from lingjax.pallas import (MIN_DOT_K, X_ROW_MIN_BYTES, dot_nt, is_pow2, pallas_call, pow2_tile, reads_one_row,
                             resolve_interpret, selected, short_dot, x_rows)
 from lingjax.pallas import moe_router
@@ -86,7 +87,7 @@ def _shared_split(tuning: ExpertTuning, bn_up: int, routing: bool, has_shared: b
     return split if routing and has_shared and bn_up // split >= MIN_DOT_ROWS else 1
 
 
-def _experts_supports(x, w_gate, shared, tuning: ExpertTuning, routing: bool) -> str | None:
+def _experts_supports(x, w_gate, w_down, shared, tuning: ExpertTuning, routing: bool) -> str | None:
     """The expert launches' rules (see supports_fused_experts)."""
     d, i_dim = x.shape[1], w_gate.shape[1]
     if shared is not None and tuple(shared[0].shape) != (i_dim, d):
@@ -94,11 +95,21 @@ def _experts_supports(x, w_gate, shared, tuning: ExpertTuning, routing: bool) ->
                 "(fused only at the same width)")
     if not is_pow2(tuning.block_m):
         return f"expert blocks of {tuning.block_m} rows, not a power of 2"
-    split = _shared_split(tuning, pow2_tile(i_dim, tuning.bn_up), routing, shared is not None)
+    fp8 = isinstance(w_gate, Fp8Array)
+    if any(isinstance(w, Fp8Array) != fp8 for w in (w_down, *(shared or ()))):
+        return "expert weights partly in fp8 (the kernels take all routed and shared ones in fp8 or none)"
+    bn_up = pow2_tile(i_dim, min(tuning.bn_up, w_gate.block[0]) if fp8 else tuning.bn_up)
+    split = _shared_split(tuning, bn_up, routing, shared is not None)
     if not is_pow2(split):
         return f"a shared-expert split of {split}, not a power of 2"
-    for kernel, k, dim in (("up", pow2_tile(d, tuning.bk_up), f"hidden size {d}"),
-                           ("down", pow2_tile(i_dim, tuning.bk_down), f"expert width {i_dim}")):
+    up_k, down_k = pow2_tile(d, tuning.bk_up), pow2_tile(i_dim, tuning.bk_down)
+    if fp8:  # a K step's partial sums lie inside one scale block; an N tile inside one block's rows
+        up_k, down_k = min(up_k, w_gate.block[1]), min(down_k, w_down.block[1])
+        if bn_up < MIN_DOT_ROWS:
+            return f"an up N tile of {bn_up} (fp8 scale blocks of {w_gate.block[0]} rows), under {MIN_DOT_ROWS}"
+        if pow2_tile(d, min(tuning.bn_down, w_down.block[0])) < MIN_DOT_ROWS:
+            return f"a down N tile under {MIN_DOT_ROWS} (fp8 scale blocks of {w_down.block[0]} rows)"
+    for kernel, k, dim in (("up", up_k, f"hidden size {d}"), ("down", down_k, f"expert width {i_dim}")):
         if short_dot(k, x.dtype):  # both kernels' dots take x's dtype (h is stored in it)
             return (f"the {kernel} kernel's K step of {k} ({dim}) on {x.dtype.name} operands, under the {MIN_DOT_K} "
                     "a 16-bit Triton dot needs")
@@ -112,8 +123,8 @@ def supports_fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0,
     (pow2_tile) and the align's blocks powers of 2 (moe_align): refused are a K step under MIN_DOT_K on 16-bit
     operands (a hidden size or expert width with a small power-of-2 factor), a tuning's block_m that is no power
     of 2, and a shared expert of another width than the experts'."""
-    del w_up, w_down, weights, experts, limit, tokens, shared_limit, interpret
-    return _experts_supports(x, w_gate, shared, tuning, routing=False)
+    del w_up, weights, experts, limit, tokens, shared_limit, interpret
+    return _experts_supports(x, w_gate, w_down, shared, tuning, routing=False)
 
 
 def supports_routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k, n_group, topk_group,
@@ -122,12 +133,12 @@ def supports_routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, 
     """None when `routed_experts` with these arguments (arrays or ShapeDtypeStructs) lowers to Triton and computes
     right on the GPU, else why not: the router's rules (lingjax.pallas.moe_router.supports; at T = 1 the up kernel
     runs the same selection) and the experts' (supports_fused_experts)."""
-    del w_up, w_down, limit, shared_limit, interpret
+    del w_up, limit, shared_limit, interpret
     t = x.shape[0] if tokens is None else tokens
     tuning = _resolve(tuning, t, w_gate.shape[1])
     return (moe_router.supports(x, router_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
                                 scaling=scaling, renormalize=renormalize, precision=precision)
-            or _experts_supports(x, w_gate, shared, tuning, routing=t == 1))
+            or _experts_supports(x, w_gate, w_down, shared, tuning, routing=t == 1))
 
 
 def _swiglu(g, u, limit):
@@ -138,10 +149,31 @@ def _swiglu(g, u, limit):
     return act * u
 
 
+def _scaled_steps(bk: int, block_k: int) -> tuple[int, int]:
+    """(sub, count): a K step of bk in `count` partial sums of `sub` columns, each inside one scale block of
+    block_k columns (plain weights: block_k = bk, one partial sum)."""
+    sub = min(bk, block_k)
+    return sub, bk // sub
+
+
+def _k_loop(n_steps, bk, sub, zero, terms):
+    """Σ over K of the partial sums `terms(start, sub_step)` -> a tuple of f32 accumulators like `zero`: K steps of
+    bk, each in bk / sub partial sums (one per scale block it spans, lingjax.ops.fp8)."""
+    def step(kk, acc):
+        for j in range(bk // sub):
+            start = pl.multiple_of(kk * bk + j * sub, sub)
+            acc = tuple(a + t for a, t in zip(acc, terms(start, pl.ds(start, sub))))
+        return acc
+
+    return jax.lax.fori_loop(0, n_steps, step, zero)
+
+
 def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
-               shared_limit, routing, x_row, shared_split, prefetch_lines):
+               shared_limit, routing, x_row, shared_split, prefetch_lines, has_shared, blocks):
     # plan_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
     # x_ref [R ≥ T, D] (rows past T unread); wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
+    # with fp8 weights (blocks = ((gn, gk) of the experts, of the shared expert)) their scales after them, the
+    # experts' [E, I/gn, D/gk] and the shared expert's [I/gn, D/gk];
     # h_ref [S (+ shared blocks · BM), I] in x's dtype.
     # With `routing` (T = 1): plan_ref holds the router's partial logits [KS, 1, E] and blk_ref its bias [E];
     # block b's program selects the token's b-th expert itself, and one program publishes the routing, w_ref
@@ -149,24 +181,42 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
     # shared_split (T = 1): the shared expert's rows over shared_split times the programs, bn / shared_split wide.
     # prefetch_lines (T = 1, with a shared expert): lines of the shared gate and up weights each routed program
     # pulls into L2 before it selects.
+    shared = rest[:2] if has_shared else ()
+    rest = rest[len(shared):]
+    scales = rest[:2 + 2 * has_shared] if blocks else ()
+    rest = rest[len(scales):]
     if routing:
-        *shared, h_ref, w_ref, e_ref = rest
+        h_ref, w_ref, e_ref = rest
     else:
-        *shared, h_ref = rest
+        (h_ref,) = rest
     b, n = pl.program_id(0), pl.program_id(1)
     npairs = tokens * top_k
     cols = pl.ds(n * bn, bn)
 
-    def block(tok, slots, cols, wg, wu, lim):  # tok [BM] token rows; wg, wu: ks -> [cols, BK] weight tiles
-        def step(kk, acc):
-            ks = pl.ds(pl.multiple_of(kk * bk, bk), bk)
-            xs = x_rows(x_ref, tok, ks, x_row)  # [BM, BK] gathered rows (T = 1: x's one row, broadcast)
-            return acc[0] + dot_nt(xs, wg(ks)), acc[1] + dot_nt(xs, wu(ks))  # gate, up: same K step
+    def block(tok, slots, rows, wg, wu, lim, scale=None, block_k=bk):
+        # tok [BM] token rows; wg, wu: ks -> [rows, sub] weight tiles; scale: (K block) -> (gate, up) scales
+        sub, _ = _scaled_steps(bk, block_k)
 
-        zero = jnp.zeros((block_m, cols.size), F32)
-        g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, step, (zero, zero))
-        h_ref[slots, cols] = _swiglu(g, u, lim).astype(h_ref.dtype)  # the one rounding
+        def terms(start, ks):
+            xs = x_rows(x_ref, tok, ks, x_row)  # [BM, sub] gathered rows (T = 1: x's one row, broadcast)
+            g, u = dot_nt(xs, wg(ks).astype(xs.dtype)), dot_nt(xs, wu(ks).astype(xs.dtype))  # gate, up: same K step
+            if scale is None:
+                return g, u
+            sg, su = scale(start // block_k)
+            return g * sg, u * su
 
+        zero = jnp.zeros((block_m, rows.size), F32)
+        g, u = _k_loop(x_ref.shape[1] // bk, bk, sub, (zero, zero), terms)
+        h_ref[slots, rows] = _swiglu(g, u, lim).astype(h_ref.dtype)  # the one rounding
+
+    def expert_scale(e):
+        if not blocks:
+            return None
+        gs, us = scales[:2]
+        row = n * bn // blocks[0][0]
+        return lambda kb: (gs[e, row, kb], us[e, row, kb])
+
+    expert_k = blocks[0][1] if blocks else bk
     slots = pl.ds(b * block_m, block_m)
     if routing:
         @pl.when(b < nb)
@@ -178,7 +228,8 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
                 prefetch_share(ref, b * pl.num_programs(1) + n, prefetch_lines)
             expert = selected(token_expert(logits, bias, b, **dict(routing)))
             tok = jnp.zeros((block_m,), jnp.int32)
-            block(tok, slots, cols, lambda ks: wg_ref[expert, cols, ks], lambda ks: wu_ref[expert, cols, ks], limit)
+            block(tok, slots, cols, lambda ks: wg_ref[expert, cols, ks], lambda ks: wu_ref[expert, cols, ks], limit,
+                  expert_scale(expert), expert_k)
     else:
         e = blk_ref[jnp.minimum(b, nb - 1)]
 
@@ -186,7 +237,8 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
         def _():
             rows = plan_ref[pl.ds(b * block_m, block_m)]  # [BM]
             tok = jnp.minimum(rows, npairs - 1) // top_k  # padding rows reuse a real token, never stored later
-            block(tok, slots, cols, lambda ks: wg_ref[e, cols, ks], lambda ks: wu_ref[e, cols, ks], limit)
+            block(tok, slots, cols, lambda ks: wg_ref[e, cols, ks], lambda ks: wu_ref[e, cols, ks], limit,
+                  expert_scale(e), expert_k)
 
     if shared:
         sg_ref, su_ref = shared
@@ -195,12 +247,19 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
         def _():
             if shared_split > 1:  # T = 1: program (nb + j, n) takes rows j·I/split + n·bn/split of the one block
                 width = bn // shared_split
-                rows = pl.ds((b - nb) * (h_ref.shape[1] // shared_split) + n * width, width)
+                first = (b - nb) * (h_ref.shape[1] // shared_split) + n * width
+                rows = pl.ds(first, width)
                 out, tok = pl.ds(nb * block_m, block_m), jnp.zeros((block_m,), jnp.int32)
             else:
-                rows, out = cols, slots
+                first, rows, out = n * bn, cols, slots
                 tok = jnp.minimum((b - nb) * block_m + jnp.arange(block_m), tokens - 1)
-            block(tok, out, rows, lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], shared_limit)
+            scale, shared_k = None, bk
+            if blocks:
+                gs, us = scales[2:]
+                row = first // blocks[1][0]
+                scale, shared_k = (lambda kb: (gs[row, kb], us[row, kb])), blocks[1][1]
+            block(tok, out, rows, lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], shared_limit, scale,
+                  shared_k)
 
     if routing:
         # the routing, for the down kernel: published by the first shared program after its tile (the shared
@@ -211,27 +270,39 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
             w_ref[...], e_ref[...] = token_routing(plan_ref, blk_ref, 0, **dict(routing))
 
 
-def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, block_m, bn, bk):
+def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, block_m, bn, bk, has_shared, blocks):
     # ids_ref [S] int32; blk_ref [≥ NB] int32; w_ref [≥ NP] f32 routing weight per pair
-    # h_ref [S (+ shared), I]; wd_ref [E, D, I]; optional shared sd_ref [D, I]
+    # h_ref [S (+ shared), I]; wd_ref [E, D, I]; optional shared sd_ref [D, I]; with fp8 weights their scales
+    # after them ([E, D/gn, I/gk], [D/gn, I/gk])
     # y_ref [NP + 1 (+ T), D] f32: row NP takes the padding rows, rows NP+1.. the shared expert per token
-    *shared, y_ref = rest
+    shared = rest[:1] if has_shared else ()
+    rest = rest[len(shared):]
+    scales = rest[:1 + has_shared] if blocks else ()
+    (y_ref,) = rest[len(scales):]
     b, n = pl.program_id(0), pl.program_id(1)
     e = blk_ref[jnp.minimum(b, nb - 1)]
     cols = pl.ds(n * bn, bn)
     slots = pl.ds(b * block_m, block_m)
 
-    def block(wd):  # wd: ks -> [BN, BK] tile
-        def step(kk, acc):
-            ks = pl.ds(pl.multiple_of(kk * bk, bk), bk)
-            return acc + dot_nt(h_ref[slots, ks], wd(ks))  # [BM, BK] · [BN, BK]ᵀ
+    def block(wd, scale=None, block_k=bk):  # wd: ks -> [BN, sub] tile; scale: (K block) -> the tile's scale
+        sub, _ = _scaled_steps(bk, block_k)
 
-        return jax.lax.fori_loop(0, h_ref.shape[1] // bk, step, jnp.zeros((block_m, bn), F32))
+        def terms(start, ks):
+            hs = h_ref[slots, ks]
+            d = dot_nt(hs, wd(ks).astype(hs.dtype))  # [BM, sub] · [BN, sub]ᵀ
+            return (d if scale is None else d * scale(start // block_k),)
+
+        (acc,) = _k_loop(h_ref.shape[1] // bk, bk, sub, (jnp.zeros((block_m, bn), F32),), terms)
+        return acc
 
     @pl.when((b < nb) & (e >= 0))
     def _():
         rows = ids_ref[pl.ds(b * block_m, block_m)]  # [BM]
-        acc = block(lambda ks: wd_ref[e, cols, ks])
+        scale, block_k = None, bk
+        if blocks:
+            row = n * bn // blocks[0][0]
+            scale, block_k = (lambda kb: scales[0][e, row, kb]), blocks[0][1]
+        acc = block(lambda ks: wd_ref[e, cols, ks], scale, block_k)
         wts = w_ref[jnp.minimum(rows, npairs - 1)]  # [BM] f32
         y_ref[rows, cols] = acc * wts[:, None]  # scatter to the pairs' rows
 
@@ -242,7 +313,33 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, bloc
         def _():
             t = y_ref.shape[0] - npairs - 1
             tok = jnp.minimum((b - nb) * block_m + jnp.arange(block_m), t - 1)
-            y_ref[npairs + 1 + tok, cols] = block(lambda ks: sd_ref[cols, ks])  # unweighted
+            scale, block_k = None, bk
+            if blocks:
+                row = n * bn // blocks[1][0]
+                scale, block_k = (lambda kb: scales[1][row, kb]), blocks[1][1]
+            y_ref[npairs + 1 + tok, cols] = block(lambda ks: sd_ref[cols, ks], scale, block_k)  # unweighted
+
+
+def _q(w):
+    """The array a kernel streams: an fp8 weight's float8_e4m3fn values (its scales go in beside), else w."""
+    return w.q if isinstance(w, Fp8Array) else w
+
+
+def _fp8_blocks(w_gate, w_up, w_down, shared):
+    """The scale blocks of fp8 expert weights: (up, down), each None for plain weights or a tuple of (gn, gk) per
+    weight family (the experts', then the shared expert's). Mixed plain and fp8 weights, or gate and up in other
+    blocks, are refused."""
+    weights = (w_gate, w_up, w_down) + tuple(shared or ())
+    kinds = {isinstance(w, Fp8Array) for w in weights}
+    if kinds == {False}:
+        return None, None
+    if len(kinds) > 1:
+        raise ValueError("the expert kernels take all expert weights (routed and shared) in fp8 or none")
+    if w_gate.block != w_up.block or (shared is not None and shared[0].block != shared[1].block):
+        raise ValueError(f"gate and up weights in other scale blocks: {w_gate.block}, {w_up.block}")
+    up = (w_gate.block,) + (() if shared is None else (shared[0].block,))
+    down = (w_down.block,) + (() if shared is None else (shared[2].block,))
+    return up, down
 
 
 def _single_token_slots(top_k: int, block_m: int):
@@ -336,8 +433,16 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     block_m = tuning.block_m
     if shared is not None and shared[0].shape != (i_dim, d):
         raise ValueError(f"a fused shared expert needs width {i_dim}, got {shared[0].shape}")
-    bn_up, bk_up = pow2_tile(i_dim, tuning.bn_up), pow2_tile(d, tuning.bk_up)
-    bn_down, bk_down = pow2_tile(d, tuning.bn_down), pow2_tile(i_dim, tuning.bk_down)
+    up_blocks, down_blocks = _fp8_blocks(w_gate, w_up, w_down, shared)
+    # an fp8 weight's N tile lies inside one scale block (one scale per tile and K block)
+    bn_up = pow2_tile(i_dim, min([tuning.bn_up] + [b[0] for b in up_blocks or ()]))
+    bn_down = pow2_tile(d, min([tuning.bn_down] + [b[0] for b in down_blocks or ()]))
+    bk_up, bk_down = pow2_tile(d, tuning.bk_up), pow2_tile(i_dim, tuning.bk_down)
+    scales_up = () if not up_blocks else (w_gate.scale, w_up.scale) + (() if shared is None else
+                                                                     (shared[0].scale, shared[1].scale))
+    scales_down = () if not down_blocks else (w_down.scale,) + (() if shared is None else (shared[2].scale,))
+    w_gate, w_up, w_down = (_q(w) for w in (w_gate, w_up, w_down))
+    shared = None if shared is None else tuple(_q(w) for w in shared)
     slots = nb * block_m if routing else plan[0].shape[0]
     ns = 0 if shared is None else pl.cdiv(t, block_m)  # shared-expert blocks
     # at T = 1 the shared expert's block runs on more programs, each narrower: they stream while the routed
@@ -361,25 +466,26 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
                           limit=float(limit), shared_limit=float(shared_limit), routing=routing,
                           x_row=reads_one_row(t, bk_up, x.dtype, tuning.x_row_min_bytes), shared_split=split,
-                          prefetch_lines=prefetch_lines),
+                          prefetch_lines=prefetch_lines, has_shared=ns > 0, blocks=up_blocks),
         out_shape=out_shape,
         grid=(nb + ns * split, i_dim // bn_up),
         compiler_params=params(tuning.warps_up, tuning.stages_up, up_stage),
         interpret=interpret,
         name="moe_up_select" if routing else "moe_up_swiglu",
-    )(*plan, x, w_gate, w_up, *(() if shared is None else shared[:2]))
+    )(*plan, x, w_gate, w_up, *(() if shared is None else shared[:2]), *scales_up)
 
     if routing:
         plan, weights = (_single_token_slots(top_k, block_m), routed[1].reshape(-1)), routed[0].reshape(-1)
     out_rows = npairs + 1 + (t if ns else 0)
     y = pallas_call(
-        functools.partial(_down_kernel, nb=nb, npairs=npairs, block_m=block_m, bn=bn_down, bk=bk_down),
+        functools.partial(_down_kernel, nb=nb, npairs=npairs, block_m=block_m, bn=bn_down, bk=bk_down,
+                          has_shared=ns > 0, blocks=down_blocks),
         out_shape=jax.ShapeDtypeStruct((out_rows, d), F32),
         grid=(nb + ns, d // bn_down),
         compiler_params=params(tuning.warps_down, tuning.stages_down, down_stage),
         interpret=interpret,
         name="moe_down_combine",
-    )(*plan, weights, h, w_down, *(() if shared is None else shared[2:]))
+    )(*plan, weights, h, w_down, *(() if shared is None else shared[2:]), *scales_down)
     # f32 sum over the k slots, in slot order as a chain of adds (not a reduce, whose order on the GPU may
     # change with T): a token's row is the same in a decode and a verify (lingjax/model.py, row invariance)
     per_slot = y[:npairs].reshape(t, top_k, d)
