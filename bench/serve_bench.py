@@ -87,7 +87,7 @@ def report(model, args, warmup_s, results, began, duration) -> None:
 
 def main(argv=None):
     ap = parser(__doc__)
-    add_options(ap, "model", "dtype", "kernels", "tp", "router_precision", "out")
+    add_options(ap, "model", "dtype", "kernels", "tp", "router_precision", "weights", "out")
     ap.add_argument("--spec", default=None, choices=[None, "nextn"])
     ap.add_argument("--steps", type=int, default=3, help="drafts per round with --spec")
     ap.add_argument("--rounds-per-call", type=int, default=1,
@@ -104,7 +104,7 @@ def main(argv=None):
     except ValueError as e:
         ap.error(f"--prefill-chunk: {e}")
     model = lingjax.load(args.model, dtype=args.dtype, kernels=args.kernels, tp=args.tp,
-                         router_precision=args.router_precision)
+                         router_precision=args.router_precision, weights=args.weights)
     report(model, args, *run_requests(model, args))
 
 

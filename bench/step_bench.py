@@ -242,6 +242,21 @@ def variants(base, args):
                                compile=compile_options)
 
 
+def memory_line(model, capacity: int) -> str:
+    """Device 0's memory with the weights and a cache of `capacity` positions held (the serving bench's prompt plus
+    its new tokens), the cache then freed."""
+    stats = jax.devices()[0].memory_stats() or {}
+    cache = model.new_cache(capacity)
+    jax.block_until_ready(cache)
+    cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache)) / model.tp
+    after = jax.devices()[0].memory_stats() or {}
+    del cache
+    limit, used = after.get("bytes_limit", 0), after.get("bytes_in_use", 0)
+    return (f"memory on device 0: {stats.get('bytes_in_use', 0) / 1e9:.1f} GB in use after loading; a cache for "
+            f"{capacity} positions {cache_bytes / 1e9:.2f} GB; in use then {used / 1e9:.1f} GB of the allocator's "
+            f"{limit / 1e9:.1f} GB: {(limit - used) / 1e9:.1f} GB left for workspace")
+
+
 def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
     """Every variant at one TP size and weight format -> (table rows (tp, weights, variant, step, s/step, host
     s/step, kernels, bytes), censuses by variant)."""
@@ -251,6 +266,8 @@ def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
     held = sum(w.nbytes for w in base.weights) / tp
     say(f"tp={tp} {weights}: {base.num_params() / 1e9:.2f} B params made on device in {time.perf_counter() - t0:.1f} s "
         f"({held / 1e9:.1f} GB per device)")
+    if args.capacity:
+        say(memory_line(base, args.capacity))
     prompt = np.random.default_rng(0).integers(0, base.cfg.vocab_size, args.prompt_len).astype(np.int32)
     width = args.steps + 1
     window = np.random.default_rng(1).integers(0, base.cfg.vocab_size, width).astype(np.int32)
@@ -300,6 +317,8 @@ def parse_args(argv=None):
     ap.add_argument("--xla-ops", nargs="*", default=[],
                     help="also time each pallas variant with these ops (lingjax.kernels.OPS) on their XLA reference")
     ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="also report device memory with a cache of this many positions held (e.g. 9216: 8192 + 1024)")
     ap.add_argument("--n", type=int, default=32, help="steps per timed batch")
     ap.add_argument("--profile", default=None,
                     help="directory: trace the spec round and print a GPU-time census (of the first --rounds-per-call "

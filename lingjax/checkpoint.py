@@ -440,7 +440,7 @@ def _refuse_device_fp8(model: LingModel, what: str) -> None:
     """The writers take dense weights: fp8 on the device has blocks cut for one TP size, not the official layout."""
     from lingjax.model import Fp8Weight
 
-    if any(isinstance(m, Fp8Weight) for _, m in model.iter_modules()):
+    if any(isinstance(m, Fp8Weight) for _, m in nnx.iter_modules(model)):
         raise ValueError(f"{what} writes dense weights; this model holds fp8 matrices on the device (load it with "
                          "weights='dense' first; lingjax convert --fp8 writes the fp8 layout)")
 

@@ -53,7 +53,7 @@ class Op:
 
 
 OPS = {
-    "fp8_linear": Op(linear_ops.linear, "lingjax.pallas.fp8_linear:fp8_linear", "lingjax.pallas.fp8_linear:supports"),
+    "fp8_linear": Op(linear_ops.fp8_linear, "lingjax.pallas.fp8_linear:fp8_linear", "lingjax.pallas.fp8_linear:supports"),
     "kda_chain": Op(kda_ops.kda_chain, "lingjax.pallas.kda_chain:kda_chain_verify",
                     "lingjax.pallas.kda_chain:supports"),
     "kda_chunked": Op(kda_ops.kda_chunked, "lingjax.pallas.kda_prefill:kda_chunked_prefill",

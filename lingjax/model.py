@@ -95,7 +95,7 @@ def project(x: jax.Array, w, paths: Paths, out_dtype=None) -> jax.Array:
     op "fp8_linear" (the Pallas kernel reads the fp8 bytes); on prefill rows, where the GEMM is compute bound, XLA's
     GEMM on the weight dequantized to x's dtype."""
     if isinstance(w, Fp8Array) and x.shape[0] <= VERIFY_ROWS:
-        return paths.op("fp8_linear")(x, w, out_dtype)
+        return paths.op("fp8_linear")(x, w, out_dtype, tokens=paths.tokens)
     return linear(x, w, out_dtype)
 
 

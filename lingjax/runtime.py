@@ -209,7 +209,7 @@ class Model:
     @property
     def fp8(self) -> bool:
         """Whether matrices are held in fp8 on the device (lingjax.model.Fp8Weight; load(weights=...))."""
-        return any(isinstance(m, Fp8Weight) for _, m in self.module.iter_modules())
+        return any(isinstance(m, Fp8Weight) for _, m in nnx.iter_modules(self.module))
 
     def num_params(self) -> int:
         return param_count(self.module)

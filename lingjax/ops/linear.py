@@ -21,3 +21,10 @@ def dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     f32 products, an f32 sum, one rounding to x's dtype (one reduction fusion in XLA: lingjax.model.narrow_linear
     says why). x: [..., in]; w: [N, in] -> [..., N]."""
     return jnp.sum(x[..., None, :].astype(F32) * dense(w, x.dtype).astype(F32), axis=-1).astype(x.dtype)
+
+
+def fp8_linear(x: jax.Array, w, out_dtype=None, *, tokens=None) -> jax.Array:
+    """linear on an fp8 weight (lingjax.ops.fp8.Fp8Array): the reference of lingjax.pallas.fp8_linear, which
+    takes `tokens` (the real rows) as a reading hint; every row is computed here."""
+    del tokens
+    return linear(x, w, out_dtype)

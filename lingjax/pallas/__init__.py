@@ -108,3 +108,42 @@ def pallas_call(kernel, **kwargs):
 def selected(expert):
     """The expert a decode's up program selected, as the instrument sees it (Instrument.selected)."""
     return _instrument.selected(expert)
+
+
+def scaled_k_loop(n_steps: int, bk: int, sub: int, zero: tuple, terms, scales=None, block_k: int = 0) -> tuple:
+    """Σ over K of a kernel's partial sums -> accumulators shaped like the tuple `zero` (f32): n_steps K steps of
+    bk, each in bk / sub partial sums `terms(start, ks, scale)` of `sub` columns (start, pl.ds(start, sub)).
+
+    fp8 weights (lingjax.ops.fp8): each partial sum lies in one scale block of block_k columns, `scales(kb)` loads
+    the scales of K block kb (a tuple, one per weight the terms read) and `scale` is that tuple. The loop carries
+    the next step's scales, loaded before the current step's dots, so a scale's load latency hides behind them
+    (Triton pipelines the weight tiles a dot reads, not a scalar load). Plain weights: scales None, scale None."""
+    count = bk // sub
+
+    def add(acc, start, scale):
+        return tuple(a + t for a, t in zip(acc, terms(start, pl.ds(start, sub), scale)))
+
+    def starts(kk):
+        return [pl.multiple_of(kk * bk + j * sub, sub) for j in range(count)]
+
+    if scales is None:
+        def step(kk, acc):
+            for start in starts(kk):
+                acc = add(acc, start, None)
+            return acc
+
+        return jax.lax.fori_loop(0, n_steps, step, zero)
+
+    def load(kk):
+        kk = jnp.minimum(kk, n_steps - 1)
+        return tuple(scales(start // block_k) for start in starts(kk))
+
+    def scaled_step(kk, carry):
+        acc, current = carry
+        following = load(kk + 1)
+        for start, scale in zip(starts(kk), current):
+            acc = add(acc, start, scale)
+        return acc, following
+
+    acc, _ = jax.lax.fori_loop(0, n_steps, scaled_step, (zero, load(0)))
+    return acc

@@ -21,7 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops.fp8 import Fp8Array
-from lingjax.pallas import MIN_DOT_K, dot_nt, is_pow2, pallas_call, pow2_tile, resolve_interpret, short_dot
+from lingjax.pallas import (MIN_DOT_K, dot_nt, is_pow2, pallas_call, pow2_tile, resolve_interpret, scaled_k_loop,
+                            short_dot, x_rows)
 
 F32 = jnp.float32
 ROWS = 16  # the rows of x one program multiplies (a Triton dot's smallest M); fewer are padded
@@ -60,12 +61,12 @@ def _tiles(n: int, k: int, block: tuple[int, int], tuning: Fp8LinearTuning) -> t
     return bn, splits, bk, min(bk, gk)
 
 
-def supports(x, w: Fp8Array, out_dtype=None, *, tuning: Fp8LinearTuning = Fp8LinearTuning(),
+def supports(x, w: Fp8Array, out_dtype=None, *, tokens=None, tuning: Fp8LinearTuning = Fp8LinearTuning(),
              interpret=None) -> str | None:
     """None when `fp8_linear` with these arguments (arrays or ShapeDtypeStructs) lowers to Triton and computes
     right on the GPU, else why not: at most ROWS rows; K split evenly into whole scale blocks; power-of-2 tiles of
     at least MIN_DOT_K along K and 16 along N (the scale blocks' sizes bound them)."""
-    del out_dtype, interpret
+    del out_dtype, tokens, interpret
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
@@ -87,30 +88,33 @@ def supports(x, w: Fp8Array, out_dtype=None, *, tuning: Fp8LinearTuning = Fp8Lin
     return None
 
 
-def _kernel(x_ref, q_ref, s_ref, y_ref, *, bn, bk, sub, gn, gk, k_split):
-    # x_ref [ROWS, K]; q_ref [N, K] fp8; s_ref [N / gn, K / gk] f32; y_ref [splits, ROWS, N] f32
+def _kernel(x_ref, q_ref, s_ref, y_ref, *, bn, bk, sub, gn, gk, k_split, one_row):
+    # x_ref [ROWS, K] (one_row: [≥ 1, K], its row 0 alone read); q_ref [N, K] fp8; s_ref [N / gn, K / gk] f32;
+    # y_ref [splits, ROWS, N] f32
     n, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(n * bn, bn)
     row_block = n * bn // gn
     k0 = split * k_split
+    rows = jnp.arange(ROWS)
 
-    def step(kk, acc):
-        for j in range(bk // sub):  # one partial sum per scale block the step spans
-            start = pl.multiple_of(k0 + kk * bk + j * sub, sub)
-            ks = pl.ds(start, sub)
-            w = q_ref[cols, ks].astype(x_ref.dtype)
-            acc = acc + dot_nt(x_ref[:, ks], w) * s_ref[row_block, start // gk]
-        return acc
+    def terms(start, ks, scale):  # one partial sum per scale block a K step spans
+        xs = x_rows(x_ref, rows, pl.ds(k0 + start, ks.size), one_row)
+        w = q_ref[cols, pl.ds(k0 + start, ks.size)].astype(xs.dtype)
+        return (dot_nt(xs, w) * scale[0],)
 
-    acc = jax.lax.fori_loop(0, k_split // bk, step, jnp.zeros((ROWS, bn), F32))
+    (acc,) = scaled_k_loop(k_split // bk, bk, sub, (jnp.zeros((ROWS, bn), F32),), terms,
+                           lambda kb: (s_ref[row_block, k0 // gk + kb],), gk)
     y_ref[split, :, cols] = acc
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tuning", "interpret"))
-def fp8_linear(x, w: Fp8Array, out_dtype=None, *, tuning: Fp8LinearTuning = Fp8LinearTuning(), interpret=None):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tokens", "tuning", "interpret"))
+def fp8_linear(x, w: Fp8Array, out_dtype=None, *, tokens=None, tuning: Fp8LinearTuning = Fp8LinearTuning(),
+               interpret=None):
     """x [..., K] (at most ROWS rows), w an Fp8Array [N, K] -> [..., N] in out_dtype (default x's dtype), from
-    f32 sums rounded once; as lingjax.ops.linear.linear(x, w.dequantize(x.dtype)) but without rounding the
-    dequantized weight. Shapes it lowers for: supports."""
+    f32 sums rounded once; as lingjax.ops.fp8.linear (lingjax.ops.linear.linear(x, w.dequantize(x.dtype))) but
+    without rounding the dequantized weight. tokens: the rows that are real (default all); at tokens = 1 the
+    kernel reads x's row 0 once per K step and broadcasts it into the dot's ROWS rows (the same dot, so row 0
+    rounds as in a verify), and rows past it are unspecified. Shapes it lowers for: supports."""
     interpret = resolve_interpret(interpret)
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
@@ -120,12 +124,14 @@ def fp8_linear(x, w: Fp8Array, out_dtype=None, *, tuning: Fp8LinearTuning = Fp8L
     rows = flat.shape[0]
     if rows > ROWS:
         raise ValueError(f"fp8_linear multiplies at most {ROWS} rows, got {rows}")
-    flat = jnp.pad(flat, ((0, ROWS - rows), (0, 0))) if rows < ROWS else flat
     gn, gk = w.block
     bn, splits, bk, sub = _tiles(n, k, (gn, gk), tuning)
+    one_row = tokens == 1
+    if rows < ROWS and not one_row:
+        flat = jnp.pad(flat, ((0, ROWS - rows), (0, 0)))
     params = None if interpret else pltriton.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages)
     y = pallas_call(
-        functools.partial(_kernel, bn=bn, bk=bk, sub=sub, gn=gn, gk=gk, k_split=k // splits),
+        functools.partial(_kernel, bn=bn, bk=bk, sub=sub, gn=gn, gk=gk, k_split=k // splits, one_row=one_row),
         out_shape=jax.ShapeDtypeStruct((splits, ROWS, n), F32),
         grid=(n // bn, splits),
         compiler_params=params,

@@ -31,7 +31,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops.fp8 import Fp8Array
 from lingjax.pallas import (MIN_DOT_K, X_ROW_MIN_BYTES, dot_nt, is_pow2, pallas_call, pow2_tile, reads_one_row,
-                            resolve_interpret, selected, short_dot, x_rows)
+                            resolve_interpret, scaled_k_loop, selected, short_dot, x_rows)
 from lingjax.pallas import moe_router
 from lingjax.pallas.l2_prefetch import lines_per_program, prefetch_share
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
@@ -149,25 +149,6 @@ def _swiglu(g, u, limit):
     return act * u
 
 
-def _scaled_steps(bk: int, block_k: int) -> tuple[int, int]:
-    """(sub, count): a K step of bk in `count` partial sums of `sub` columns, each inside one scale block of
-    block_k columns (plain weights: block_k = bk, one partial sum)."""
-    sub = min(bk, block_k)
-    return sub, bk // sub
-
-
-def _k_loop(n_steps, bk, sub, zero, terms):
-    """Σ over K of the partial sums `terms(start, sub_step)` -> a tuple of f32 accumulators like `zero`: K steps of
-    bk, each in bk / sub partial sums (one per scale block it spans, lingjax.ops.fp8)."""
-    def step(kk, acc):
-        for j in range(bk // sub):
-            start = pl.multiple_of(kk * bk + j * sub, sub)
-            acc = tuple(a + t for a, t in zip(acc, terms(start, pl.ds(start, sub))))
-        return acc
-
-    return jax.lax.fori_loop(0, n_steps, step, zero)
-
-
 def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
                shared_limit, routing, x_row, shared_split, prefetch_lines, has_shared, blocks):
     # plan_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
@@ -195,18 +176,13 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
 
     def block(tok, slots, rows, wg, wu, lim, scale=None, block_k=bk):
         # tok [BM] token rows; wg, wu: ks -> [rows, sub] weight tiles; scale: (K block) -> (gate, up) scales
-        sub, _ = _scaled_steps(bk, block_k)
-
-        def terms(start, ks):
+        def terms(start, ks, scales):
             xs = x_rows(x_ref, tok, ks, x_row)  # [BM, sub] gathered rows (T = 1: x's one row, broadcast)
             g, u = dot_nt(xs, wg(ks).astype(xs.dtype)), dot_nt(xs, wu(ks).astype(xs.dtype))  # gate, up: same K step
-            if scale is None:
-                return g, u
-            sg, su = scale(start // block_k)
-            return g * sg, u * su
+            return (g, u) if scales is None else (g * scales[0], u * scales[1])
 
         zero = jnp.zeros((block_m, rows.size), F32)
-        g, u = _k_loop(x_ref.shape[1] // bk, bk, sub, (zero, zero), terms)
+        g, u = scaled_k_loop(x_ref.shape[1] // bk, bk, min(bk, block_k), (zero, zero), terms, scale, block_k)
         h_ref[slots, rows] = _swiglu(g, u, lim).astype(h_ref.dtype)  # the one rounding
 
     def expert_scale(e):
@@ -284,15 +260,14 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, bloc
     cols = pl.ds(n * bn, bn)
     slots = pl.ds(b * block_m, block_m)
 
-    def block(wd, scale=None, block_k=bk):  # wd: ks -> [BN, sub] tile; scale: (K block) -> the tile's scale
-        sub, _ = _scaled_steps(bk, block_k)
-
-        def terms(start, ks):
+    def block(wd, scale=None, block_k=bk):  # wd: ks -> [BN, sub] tile; scale: (K block) -> (the tile's scale,)
+        def terms(start, ks, scales):
             hs = h_ref[slots, ks]
             d = dot_nt(hs, wd(ks).astype(hs.dtype))  # [BM, sub] · [BN, sub]ᵀ
-            return (d if scale is None else d * scale(start // block_k),)
+            return (d if scales is None else d * scales[0],)
 
-        (acc,) = _k_loop(h_ref.shape[1] // bk, bk, sub, (jnp.zeros((block_m, bn), F32),), terms)
+        (acc,) = scaled_k_loop(h_ref.shape[1] // bk, bk, min(bk, block_k), (jnp.zeros((block_m, bn), F32),), terms,
+                               scale, block_k)
         return acc
 
     @pl.when((b < nb) & (e >= 0))
@@ -301,7 +276,7 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, bloc
         scale, block_k = None, bk
         if blocks:
             row = n * bn // blocks[0][0]
-            scale, block_k = (lambda kb: scales[0][e, row, kb]), blocks[0][1]
+            scale, block_k = (lambda kb: (scales[0][e, row, kb],)), blocks[0][1]
         acc = block(lambda ks: wd_ref[e, cols, ks], scale, block_k)
         wts = w_ref[jnp.minimum(rows, npairs - 1)]  # [BM] f32
         y_ref[rows, cols] = acc * wts[:, None]  # scatter to the pairs' rows
@@ -316,7 +291,7 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, bloc
             scale, block_k = None, bk
             if blocks:
                 row = n * bn // blocks[1][0]
-                scale, block_k = (lambda kb: scales[1][row, kb]), blocks[1][1]
+                scale, block_k = (lambda kb: (scales[1][row, kb],)), blocks[1][1]
             y_ref[npairs + 1 + tok, cols] = block(lambda ks: sd_ref[cols, ks], scale, block_k)  # unweighted
 
 
