@@ -8,8 +8,9 @@ per-expert tensors (and a KDA layer's input projections and conv taps) are stack
 parameter as they arrive, so host memory holds at most one parameter (the real checkpoint is ~250 GB).
 
 The official fp8 layout (docs/fp8.md) is checked tensor by tensor (scales present, shaped by the block size, F32;
-no listed-unquantized module stored in fp8) and loads dequantized into the model's dtype (kernels that read
-fp8 in place are not built yet); `convert_fp8` writes it from a bf16 checkpoint.
+no listed-unquantized module stored in fp8) and stays fp8 on the device (lingjax.model.Fp8Weight, scales cut into
+device blocks for the TP size), or loads dequantized with weights="dense"; `convert_fp8` writes it from a bf16
+checkpoint.
 """
 
 from __future__ import annotations

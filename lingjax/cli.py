@@ -73,6 +73,9 @@ def _add_run_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--kernels", choices=["auto", "xla", "pallas"], default="auto",
                    help="auto: the Pallas kernels on a GPU, the XLA references elsewhere")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
+    p.add_argument("--weights", choices=["auto", "fp8", "dense"], default="auto",
+                   help="auto: as the checkpoint stores them (fp8 stays fp8 on the device); fp8: quantize every "
+                        "matrix (docs/fp8.md); dense: all in --dtype")
     p.add_argument("--router-precision", choices=["f32", "bf16"], default="f32",
                    help="MoE gate GEMV operands (bf16: faster, a declared rounding change)")
     p.add_argument("--no-cache", action="store_true",
@@ -150,12 +153,15 @@ def _check_request(cfg, prompt_len: int, args, name: str) -> None:
 
 def _check_devices(cfg, args, name: str) -> None:
     """Enough devices for --tp, and the weights fit their memory (estimated from the config)."""
+    from pathlib import Path
+
     from lingjax.memory import check_fits
-    from lingjax.runtime import DTYPES
+    from lingjax.runtime import DTYPES, weights_layout
     from lingjax.sharding import check_tp
 
     check_tp(cfg, args.tp)
-    check_fits(cfg, DTYPES[args.dtype], args.tp, name)
+    directory = None if args.model is not None else Path(name)
+    check_fits(cfg, DTYPES[args.dtype], args.tp, name, fp8=weights_layout(cfg, directory, args.weights, args.tp))
 
 
 def _load(args, name: str, tokenizer):
@@ -170,7 +176,7 @@ def _load(args, name: str, tokenizer):
         print(f"drawing random weights (preset {name})", file=sys.stderr, flush=True)
     return lingjax.load(name, dtype=args.dtype, kernels=args.kernels, seed=args.seed, tp=args.tp,
                         router_precision=args.router_precision, progress=Progress("loading weights"),
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, weights=args.weights)
 
 
 def _summary(result, args) -> str:

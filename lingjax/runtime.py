@@ -412,6 +412,18 @@ def source_tokenizer(cfg: LingConfig, directory: Path | None, name: str) -> Toke
     return tokenizer
 
 
+def weights_layout(cfg: LingConfig, directory: Path | None, weights: str, tp: int) -> Fp8Layout | None:
+    """The fp8 layout load(weights=...) makes for a source, as lingjax would quantize it (an fp8 checkpoint's own
+    list of quantized tensors is read as it loads; this estimate serves the memory check): None for dense."""
+    if weights not in checkpoint.WEIGHTS:
+        raise ValueError(f"weights must be one of {checkpoint.WEIGHTS}, got {weights!r}")
+    if weights == "fp8" and directory is not None and checkpoint.is_orbax(directory):
+        raise ValueError(f"{directory} is a lingjax (orbax) checkpoint, which loads dense; give its official "
+                         "safetensors form (or its `lingjax convert --fp8` copy) for fp8 weights")
+    stored_fp8 = directory is not None and checkpoint.read_fp8_config(directory) is not None
+    return fp8_layout(cfg, tp) if weights == "fp8" or (weights == "auto" and stored_fp8) else None
+
+
 _OWN = object()  # load(tokenizer=...) default: the source's own tokenizer
 
 
@@ -430,8 +442,6 @@ def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kern
     before any weight is drawn or read."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if weights not in checkpoint.WEIGHTS:
-        raise ValueError(f"weights must be one of {checkpoint.WEIGHTS}, got {weights!r}")
     options = RunOptions(kernels=kernels, router_precision=router_precision)
     jdtype = DTYPES[dtype]
     if path_or_preset is None:
@@ -439,11 +449,7 @@ def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kern
     source = str(path_or_preset)
     cfg, directory = resolve(source)
     mesh = sharding.mesh_for(cfg, tp)  # every parameter goes straight into its shards
-    stored_fp8 = directory is not None and checkpoint.read_fp8_config(directory) is not None
-    if weights == "fp8" and directory is not None and checkpoint.is_orbax(directory):
-        raise ValueError(f"{directory} is a lingjax (orbax) checkpoint, which loads dense; quantize its official "
-                         "safetensors form instead (lingjax convert --fp8, or weights='fp8' on that directory)")
-    fp8 = fp8_layout(cfg, tp) if weights == "fp8" or (weights == "auto" and stored_fp8) else None
+    fp8 = weights_layout(cfg, directory, weights, tp)
     check_fits(cfg, jdtype, tp, source, fp8=fp8)
     if tokenizer is _OWN:
         tokenizer = source_tokenizer(cfg, directory, source)  # read before the weights: a bad file fails fast

@@ -4,7 +4,8 @@ ceil(K/BK)], with w ≈ q · scale_inv of the block the element falls in (the la
 partial). Leading dimensions (stacked experts) carry their own scales.
 
 `quantize` makes that layout from a weight (lingjax convert --fp8, tests); `dequantize` is the plain-JAX
-reference every fp8 kernel is checked against.
+reference every fp8 kernel is checked against. On the device a weight is an `Fp8Array` (q and its scales in device
+blocks, which TP shards cut whole: `device_block`, `refine_scales`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,139 @@
+"""What fp8 weights cost in accuracy on the shipped model: its bf16 checkpoint against its `lingjax convert --fp8`
+copy (docs/fp8.md), kept in fp8 on the device, the same compute dtype, in one process.
+
+    python bench/fp8_accuracy.py --out bench/results/fp8_accuracy_cpu.md
+    python bench/fp8_accuracy.py --scale-fmt ue8m0 --max-bytes 200000 --count 4 --out /tmp/x.md
+
+- held-out bits per byte: the held-out standard-library packages (lingjax.train.corpus.HELD_OUT_PACKAGES, never
+  trained on), files in name order up to --max-bytes, tokenized and joined with EOS into one stream cut into
+  full-forward windows of --window tokens; nats of every predicted token over the stream's bytes (each window's
+  first token is predicted by neither model);
+- greedy agreement: --count held-out prompts (bench/embedded_bench.py's), --new-tokens greedy tokens each: the
+  common prefix with bf16's tokens and the share of prompts equal throughout;
+- NEXTN mean accept length at S = --steps on the same prompts, each model drafting for itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import embedded_bench  # noqa: E402
+
+from lingjax.shipped import DEFAULT_CHECKPOINT  # noqa: E402
+
+
+def held_out_stream(tokenizer, eos: int, max_bytes: int) -> tuple[list[int], int, int]:
+    """(token ids, bytes, files) of the held-out files in name order up to max_bytes, joined with EOS."""
+    ids, used, files = [], 0, 0
+    for path in embedded_bench.held_out_files():
+        data = path.read_bytes()
+        if used and used + len(data) > max_bytes:
+            break
+        ids += tokenizer.encode(data.decode("utf-8")) + [eos]
+        used, files = used + len(data), files + 1
+    return ids, used, files
+
+
+def bits_per_byte(model, ids: list[int], num_bytes: int, window: int) -> tuple[float, list]:
+    """(bits per byte of the stream, each window's argmax predictions)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    nats, predictions = 0.0, []
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window]
+        if len(chunk) < window:  # the tail: padded to the window (one program), its real rows counted
+            chunk = chunk + [0] * (window - len(chunk))
+        real = min(window, len(ids) - start)
+        logits = model.logits(chunk)
+        logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)[: real - 1], axis=-1)
+        targets = jnp.asarray(chunk[1:real], jnp.int32)
+        nats -= float(np.asarray(jnp.take_along_axis(logp, targets[:, None], axis=1)).sum())
+        predictions.append(np.asarray(jnp.argmax(logp, axis=-1)))
+    return nats / num_bytes / math.log(2), predictions
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--scale-fmt", choices=["float32", "ue8m0"], default="float32")
+    ap.add_argument("--max-bytes", type=int, default=200_000)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--count", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+
+    import jax
+
+    import lingjax
+    from lingjax import checkpoint
+
+    lines = []
+
+    def say(text=""):
+        print(text, flush=True)
+        lines.append(text)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fp8_dir = Path(tmp) / "fp8"
+        layout = checkpoint.convert_fp8(args.checkpoint, fp8_dir, scale_fmt=args.scale_fmt)
+        models = {"bf16": lingjax.load(args.checkpoint, dtype=args.dtype),
+                  "fp8": lingjax.load(fp8_dir, dtype=args.dtype)}
+        tok = models["bf16"].tokenizer
+        ids, num_bytes, files = held_out_stream(tok, models["bf16"].cfg.eos_token_ids[0], args.max_bytes)
+        prompts = embedded_bench.make_prompts(args.checkpoint, args.count, args.prompt_tokens)
+        rows = {}
+        for name, model in models.items():
+            bpb, predictions = bits_per_byte(model, ids, num_bytes, args.window)
+            plain = [lingjax.generate(model, p, args.new_tokens, ignore_eos=True).tokens for p in prompts["ids"]]
+            spec = [lingjax.generate(model, p, args.new_tokens, ignore_eos=True, spec="nextn", steps=args.steps)
+                    for p in prompts["ids"]]
+            rows[name] = dict(bpb=bpb, plain=plain, predictions=predictions, accept=statistics.mean(r.mean_accept_len for r in spec),
+                              lossless=sum(r.tokens == t for r, t in zip(spec, plain)))
+            print(f"{name}: {bpb:.4f} bits/byte, accept {rows[name]['accept']:.2f}", flush=True)
+
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    device = jax.devices()[0]
+    say("# fp8 weights against bf16 on the shipped model")
+    say(f"{now}, {device.device_kind} ({device.platform}), jax {jax.__version__}, Python {platform.python_version()}")
+    say(f"command: `python bench/fp8_accuracy.py {' '.join(argv if argv is not None else sys.argv[1:])}`")
+    say()
+    say(f"checkpoint {args.checkpoint}; fp8 copy by `lingjax convert --fp8` (blocks {list(layout.block)}, scales "
+        f"{layout.scale_fmt}, not converted: {', '.join(layout.not_converted)}), kept in fp8 on the device "
+        f"(kernels {models['fp8'].kernels}); compute "
+        f"{args.dtype}. Held-out: {files} files, {num_bytes:,} bytes, {len(ids):,} tokens in windows of "
+        f"{args.window}. {args.count} prompts of {args.prompt_tokens} tokens, {args.new_tokens} greedy tokens.")
+    say()
+    base = rows["bf16"]
+    say("| weights | held-out bits/byte | vs bf16 | held-out next-token argmax equal to bf16's | greedy tokens equal to bf16's (prompts all equal; common prefix "
+        "median, min) | NEXTN mean accept length S=" + str(args.steps) + " | NEXTN = plain greedy |")
+    say("|---|---|---|---|---|---|---|")
+    for name, row in rows.items():
+        prefixes = [embedded_bench.common_prefix(a, b) for a, b in zip(row["plain"], base["plain"])]
+        equal = sum(p == args.new_tokens for p in prefixes)
+        same = sum(int((a == b).sum()) for a, b in zip(row["predictions"], base["predictions"]))
+        total = sum(a.size for a in base["predictions"])
+        say(f"| {name} | {row['bpb']:.4f} | {row['bpb'] / base['bpb'] - 1:+.2%} | {same / total:.2%} | "
+            f"{equal}/{len(prefixes)}; "
+            f"{statistics.median(prefixes):.0f}, {min(prefixes)} | {row['accept']:.2f} | "
+            f"{row['lossless']}/{len(prefixes)} |")
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
