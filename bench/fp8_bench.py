@@ -34,8 +34,8 @@ from lingjax.pallas import moe_experts
 from lingjax.pallas.fp8_linear import Fp8LinearTuning, fp8_linear
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-TUNINGS = [Fp8LinearTuning(), Fp8LinearTuning(bn=64, k_splits=1), Fp8LinearTuning(bn=32, k_splits=1),
-           Fp8LinearTuning(bn=32, k_splits=2), Fp8LinearTuning(bk=128), Fp8LinearTuning(stages=6)]
+TUNINGS = [Fp8LinearTuning(), Fp8LinearTuning(bn=64), Fp8LinearTuning(bn=32, k_splits=2), Fp8LinearTuning(bk=128),
+           Fp8LinearTuning(stages=3), Fp8LinearTuning(warps=8)]
 EXACT_TOL = 1e-4  # a kernel against x · (q·s)ᵀ in f32: reassociation only
 
 
@@ -90,12 +90,15 @@ def bench_projections(say, cfg, tp, bw, copies, reps, interpret):
         floor = fp8_bytes / bw
         first = True
         variants = [(f"pallas {t}", functools.partial(fp8_linear, tuning=t, interpret=interpret), q) for t in TUNINGS]
+        variants.insert(1, ("pallas default, tokens=1 (a decode: x's row 0 broadcast)",
+                            functools.partial(fp8_linear, tokens=1, interpret=interpret), q))
         variants += [("XLA bf16 weights (peer)", linear, dense), ("XLA fp8 dequantized in the graph", linear, q)]
         exact = jnp.einsum("rk,nk->rn", x.astype(F32), q[0].dequantize(F32), precision="highest")
         for name, fn, ws in variants:
             check = "-"
             if name.startswith("pallas"):
-                e = rel(fn(x, q[0], F32), exact)
+                rows = 1 if "tokens=1" in name else x.shape[0]
+                e = rel(fn(x, q[0], F32)[:rows], exact[:rows])
                 check = f"{e:.1e}" + ("" if e < EXACT_TOL else " FAIL")
             t = median_seconds(over_copies(fn, interpret), x, ws, reps=reps) / copies
             peer_floor = (n * k * 2 + x.size * 2) / bw if "bf16" in name else floor

@@ -91,6 +91,22 @@ def test_preset_fp8_weights_are_the_same_at_every_tp():
         assert rel_err(model.logits(tokens), want) < 1e-5
 
 
+def test_fp8_at_tp8_matches_tp1():
+    """TP8 on tiny widened to 8 heads: an fp8 model drawn for 8 devices (every block cut to 4-row device blocks in
+    the expert width's shards of 4) gives TP1's logits."""
+    from lingjax.config import PRESETS
+    from lingjax.model import fp8_layout
+    from lingjax.runtime import Model, RunOptions, random_model
+    from lingjax.sharding import mesh_for
+
+    cfg = LingConfig.from_hf({**PRESETS["tiny"], "num_attention_heads": 8, "num_key_value_heads": 8})
+    models = [Model(random_model(cfg, jnp.float32, 3, mesh_for(cfg, tp), fp8=fp8_layout(cfg, tp)),
+                    RunOptions(kernels="xla"), mesh=mesh_for(cfg, tp)) for tp in (1, 8)]
+    assert models[1].params["layers"][1]["mlp"]["w_gate"]["scale"].get_value().shape[1] == 8
+    tokens = np.arange(7, 30)
+    assert rel_err(models[1].logits(tokens), models[0].logits(tokens)) < 1e-5
+
+
 def test_fp8_pallas_model_matches_xla():
     """The fp8 kernels (interpret mode) in the whole model: the same logits as the XLA references, to f32
     reassociation (the kernel multiplies unrounded q·s; the reference dequantizes to f32 first)."""

@@ -32,13 +32,15 @@ TARGET_PROGRAMS = 264  # two per H200 SM: enough loads in flight to stream the w
 @dataclasses.dataclass(frozen=True)
 class Fp8LinearTuning:
     """The launch's static choices. bn: the N tile, the largest power of 2 up to it dividing the scale block's
-    rows (0: as wide as keeps at least TARGET_PROGRAMS programs, at least 16); bk: the K step, a power of 2 dividing
-    K / k_splits (steps wider than a scale block take one partial sum per block); k_splits: K splits (1: none;
-    0: enough to reach TARGET_PROGRAMS programs when the N tiles alone do not)."""
+    rows (wide tiles: x's rows, read again by every program, cost less beside them); bk: the K step, a power of 2
+    dividing K / k_splits (steps wider than a scale block take one partial sum per block); k_splits: K splits
+    (0: doubled while the programs are fewer than TARGET_PROGRAMS, each split whole scale blocks of at least
+    min_split columns)."""
 
-    bn: int = 0
+    bn: int = 128
     bk: int = 256
     k_splits: int = 0
+    min_split: int = 256
     warps: int = 4
     stages: int = 4
 
@@ -46,16 +48,12 @@ class Fp8LinearTuning:
 def _tiles(n: int, k: int, block: tuple[int, int], tuning: Fp8LinearTuning) -> tuple[int, int, int, int]:
     """(bn, splits, bk, sub): sub is the columns of one partial sum (a K step's part inside one scale block)."""
     gn, gk = block
-    if tuning.bn:
-        bn = pow2_tile(gn, tuning.bn)
-    else:
-        bn = pow2_tile(gn, 128)
-        while bn > 16 and n // bn < TARGET_PROGRAMS:
-            bn //= 2
+    bn = pow2_tile(gn, tuning.bn)
     splits = tuning.k_splits
     if splits == 0:
         splits = 1
-        while n // bn * splits < TARGET_PROGRAMS and k % (splits * 2 * gk) == 0 and k // (splits * 2) >= 512:
+        while (n // bn * splits < TARGET_PROGRAMS and k % (splits * 2 * gk) == 0
+               and k // (splits * 2) >= tuning.min_split):
             splits *= 2
     bk = pow2_tile(k // splits, tuning.bk)
     return bn, splits, bk, min(bk, gk)
