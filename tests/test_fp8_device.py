@@ -53,6 +53,7 @@ def test_fp8_checkpoint_stays_fp8_and_equals_the_dequantized_model(fp8_dir):
     assert bytes_of(kept) < 0.6 * bytes_of(dense)
 
 
+@pytest.mark.slow
 def test_bf16_checkpoint_quantized_as_it_loads():
     """weights="fp8" on a bf16 checkpoint quantizes every matrix but the router, lm_head and embeddings, each
     element within e4m3's rounding of the source; the logits stay close to the source model's."""
@@ -74,6 +75,7 @@ def test_bf16_checkpoint_quantized_as_it_loads():
     assert rel_err(model.logits(tokens), source.logits(tokens)) < 0.1
 
 
+@pytest.mark.slow
 def test_preset_fp8_weights_are_the_same_at_every_tp():
     """A preset in fp8 is a function of the seed: at TP 2 and 4 (tiny's expert width 32 splits into 8-row shards,
     cutting its blocks: scales refined to 8-row device blocks) the model's logits equal TP 1's to f32 rounding,
@@ -91,6 +93,7 @@ def test_preset_fp8_weights_are_the_same_at_every_tp():
         assert rel_err(model.logits(tokens), want) < 1e-5
 
 
+@pytest.mark.slow
 def test_fp8_at_tp8_matches_tp1():
     """TP8 on tiny widened to 8 heads: an fp8 model drawn for 8 devices (every block cut to 4-row device blocks in
     the expert width's shards of 4) gives TP1's logits."""
@@ -107,6 +110,7 @@ def test_fp8_at_tp8_matches_tp1():
     assert rel_err(models[1].logits(tokens), models[0].logits(tokens)) < 1e-5
 
 
+@pytest.mark.slow
 def test_fp8_pallas_model_matches_xla():
     """The fp8 kernels (interpret mode) in the whole model: the same logits as the XLA references, to f32
     reassociation (the kernel multiplies unrounded q·s; the reference dequantizes to f32 first)."""
@@ -116,6 +120,7 @@ def test_fp8_pallas_model_matches_xla():
     assert rel_err(model.variant(kernels="pallas").incremental_logits(tokens, 16), want) < 1e-5
 
 
+@pytest.mark.slow
 def test_nextn_with_fp8_weights_is_lossless():
     """Greedy NEXTN speculation over fp8 weights (the shipped model quantized as it loads: its MTP layer drafts
     real tokens) equals plain greedy decoding over them, token for token."""
