@@ -17,12 +17,10 @@ floor and against bf16 weights in the same process.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from common import Report, heading, median_seconds, parser, read_bandwidth, rel
 from lingjax.config import preset
@@ -166,7 +164,6 @@ def main(argv=None):
     say = Report(args.out)
     cfg = preset("tiny" if args.smoke else "flash")
     if args.smoke:
-        cfg = dataclasses.replace(cfg)
         args.copies, args.reps = 2, 1
     interpret = args.smoke
     heading(say, f"fp8_bench: {'tiny (smoke)' if args.smoke else 'flash'} shapes, tp {args.tp}")

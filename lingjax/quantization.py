@@ -105,9 +105,6 @@ class Fp8Layout:
         sharded = spec[len(shape) - 2:len(shape)]
         return device_block(shape, self.block, tuple(self.tp if s is not None else 1 for s in sharded))
 
-    def with_tp(self, tp: int) -> Fp8Layout:
-        return dataclasses.replace(self, tp=tp)
-
 
 def quantized_paths(param_paths) -> frozenset:
     """The paths among `param_paths` a quantizer converts (QUANTIZED_NAMES)."""
