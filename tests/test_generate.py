@@ -166,16 +166,17 @@ def test_xla_ops_override_one_kernel():
     mixed = base.variant(kernels="pallas", xla_ops=("moe_route",))
     assert mixed.ex.op("moe_route") is moe.route
     assert mixed.ex.runs_pallas("moe_experts") and not mixed.ex.runs_pallas("moe_route")
-    prompt = _prompt(20, 3)
-    want = base.incremental_logits(prompt, 18)
+    prompt, prompt_len = _prompt(40, 8), 36  # test_pallas_kernels_give_the_same_model's: its XLA programs and logits
+    want = base.incremental_logits(prompt, prompt_len)
     calls = []
     real_route = moe.route
     with pytest.MonkeyPatch.context() as mp:  # decode (T = 1) routes on the reference too, not in the up kernel
         spy = lambda x, *a, **kw: calls.append(x.shape[0]) or real_route(x, *a, **kw)  # noqa: E731
         mp.setitem(kernels.OPS, "moe_route", dataclasses.replace(kernels.OPS["moe_route"], reference=spy))
-        assert rel_err(mixed.incremental_logits(prompt, 18), want) < 1e-4
-    assert VERIFY_ROWS in calls  # a T = 1 decode's padded rows, besides the 18-token extend
+        assert rel_err(mixed.incremental_logits(prompt, prompt_len), want) < 1e-4
+    assert VERIFY_ROWS in calls  # a T = 1 decode's padded rows, besides the 36-token extend
     experts_on_xla = base.variant(kernels="pallas", xla_ops=("moe_experts",))
-    assert rel_err(experts_on_xla.incremental_logits(prompt, 18), want) < 1e-4  # no Pallas-only options reach it
+    # no Pallas-only options reach it
+    assert rel_err(experts_on_xla.incremental_logits(prompt, prompt_len), want) < 1e-4
     with pytest.raises(ValueError, match="unknown ops.*moe_route"):
         base.variant(kernels="pallas", xla_ops=("moe_rout",))
