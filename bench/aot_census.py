@@ -151,7 +151,7 @@ def compile_programs(args, devices, say) -> list[tuple[str, str]]:
     _, decode = model.step_programs(sampling, args.rounds_per_call)
     programs = [(f"decode T=1, {args.rounds_per_call} per call", decode, (weights, cache, i32, i32, key)),
                 (f"spec round S={args.steps}, {args.rounds_per_call} per call",
-                 model.spec_program(drafter, sampling, args.rounds_per_call).round, (weights, state))]
+                 model.spec_program(drafter, sampling, args.rounds_per_call).round, ((weights, ()), state))]
 
     options = xla_label(model.options.compile.xla_options) + tuning_label(model.options.tuning, model.cfg, model.tp)
     say(f"# aot_census: {args.model}, tp {args.tp}, kernels {model.kernels}{options}, jax {jax.__version__}, target "

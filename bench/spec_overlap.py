@@ -43,7 +43,7 @@ def time_rounds(model, program, drafter, prompt, rounds):
         calls = []
         for _ in range(rounds):
             c0 = time.perf_counter()
-            state, out = program.round(model.weights, state)
+            state, out = program.round(program.weights, state)
             calls.append(time.perf_counter() - c0)
         jax.block_until_ready(out)
         device.append((time.perf_counter() - t0) / rounds)
@@ -52,7 +52,7 @@ def time_rounds(model, program, drafter, prompt, rounds):
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         for _ in range(rounds):
-            state, out = program.round(model.weights, state)
+            state, out = program.round(program.weights, state)
             engine.host_read(out)  # wait for this round before launching the next
         blocking.append((time.perf_counter() - t0) / rounds)
     return statistics.median(device), statistics.median(dispatch), statistics.median(blocking)

@@ -63,9 +63,16 @@ def _add_run_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and preset weights' seed)")
     p.add_argument("--stop-ids", type=_ids, default=[], help="extra stop token ids")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's stop tokens")
-    p.add_argument("--spec", choices=["nextn"], default=None, help="speculate with the MTP layer")
-    p.add_argument("--steps", type=int, default=None, help="drafts per speculative round with --spec (default 5; "
-                                                           "verify width steps+1)")
+    p.add_argument("--spec", choices=["nextn", "dspark"], default=None,
+                   help="speculate: nextn with the MTP layer, dspark with a DSpark drafter (--draft)")
+    p.add_argument("--steps", type=int, default=None, help="drafts per speculative round with --spec (nextn: "
+                                                           "default 5; dspark: the drafter's block size)")
+    p.add_argument("--widths", type=_ids, default=None, metavar="W,W,...",
+                   help="--spec dspark: verify widths to choose from each round by the drafter's confidence "
+                        "(instead of a fixed --steps)")
+    p.add_argument("--draft", default=None, metavar="DIR|random|none",
+                   help="the DSpark drafter for --spec dspark: a draft checkpoint directory, 'random' (random "
+                        "weights, for timing), or 'none' (default: the shipped model's own with the shipped model)")
     p.add_argument("--rounds-per-call", type=int, default=1,
                    help="speculative rounds (or decode steps) per device call: the host's cost per call is "
                         "shared; tokens arrive in bursts, the same tokens either way")
@@ -137,16 +144,51 @@ def _messages(system: str | None, user: str) -> list[dict]:
 def _generation_kwargs(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                 stop_ids=args.stop_ids, top_k=args.top_k, top_p=args.top_p, ignore_eos=args.ignore_eos,
-                spec=args.spec, steps=args.steps, rounds_per_call=args.rounds_per_call)
+                spec=args.spec, steps=args.steps, rounds_per_call=args.rounds_per_call, widths=args.widths)
+
+
+def _draft(args, cfg):
+    """(load's draft argument, the drafter's block size or None), read without a weight."""
+    from lingjax.spec.dspark import default_config, read_dspark_config
+    from lingjax.spec.dspark_model import DSparkConfigError
+
+    shipped = args.model is None and args.checkpoint is None
+    choice = args.draft if args.draft is not None else ("auto" if shipped else None)
+    if choice in (None, "none"):
+        return None, None
+    if choice == "random":
+        return "random", default_config(cfg).block_size
+    if choice == "auto":
+        from lingjax.shipped import default_draft
+
+        choice = default_draft()
+        if choice is None:
+            return None, None
+    try:
+        draft_cfg = read_dspark_config(choice)
+        draft_cfg.check_target(cfg)
+    except DSparkConfigError as e:
+        raise UsageError(f"--draft: {e}") from None
+    return str(choice), draft_cfg.block_size
 
 
 def _check_request(cfg, prompt_len: int, args, name: str) -> None:
     from lingjax import requests
+    from lingjax.config import VERIFY_ROWS
 
+    for flag, value in (("--draft", args.draft), ("--widths", args.widths)):
+        if value is not None and args.spec != "dspark":
+            raise UsageError(f"{flag} has no effect without --spec dspark")
+    if args.widths is not None and args.steps is not None:
+        raise UsageError("give --steps (a fixed verify width) or --widths (chosen each round), not both")
+    args.draft_source, block = _draft(args, cfg) if args.spec == "dspark" else (None, None)
     requests.check_generation(cfg, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, spec=args.spec,
                               steps=args.steps, rounds_per_call=args.rounds_per_call,
-                              has_mtp=cfg.num_nextn_predict_layers > 0)
+                              has_mtp=cfg.num_nextn_predict_layers > 0, draft_block=block)
+    if args.widths is not None and not all(2 <= w <= min(block + 1, VERIFY_ROWS) for w in args.widths):
+        raise UsageError(f"--widths must lie in [2, {min(block + 1, VERIFY_ROWS)}] (the drafter's block size + 1), "
+                         f"got {args.widths}")
     requests.check_stop_ids(args.stop_ids, cfg.vocab_size)
     _check_devices(cfg, args, name)
 
@@ -176,7 +218,7 @@ def _load(args, name: str, tokenizer):
         print(f"drawing random weights (preset {name})", file=sys.stderr, flush=True)
     return lingjax.load(name, dtype=args.dtype, kernels=args.kernels, seed=args.seed, tp=args.tp,
                         router_precision=args.router_precision, progress=Progress("loading weights"),
-                        tokenizer=tokenizer, weights=args.weights)
+                        tokenizer=tokenizer, weights=args.weights, draft=getattr(args, "draft_source", None))
 
 
 def _summary(result, args) -> str:

@@ -26,6 +26,7 @@ from lingjax.config import VERIFY_ROWS
 from lingjax.detokenize import TextStream
 from lingjax.runtime import Model
 from lingjax.sampling import SamplingParams
+from lingjax.spec.step import read_output_row
 
 # Prompt tokens per prefill program (a power of two). Each chunk touches every routed expert, so each
 # reads all the weights: fewer, longer chunks read them fewer times (docs/engine.md).
@@ -150,7 +151,7 @@ def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tok
     for start, tokens, n_valid, last in _prompt_chunks(prompt, chunk):
         after = 0 if last else int(prompt[start + n_valid])
         host = model.put((tokens, np.int32(start), np.int32(n_valid), np.int32(after)))
-        bonus, cache, draft = program.prefill_chunk(model.weights, cache, draft, *host, base_key, last=last)
+        bonus, cache, draft = program.prefill_chunk(program.weights, cache, draft, *host, base_key, last=last)
     # the state is donated to the first round: it gets its own copies of the token the host reads
     # and of the caller's key
     s, round_ = model.put((np.int32(prompt.size), np.int32(0)))
@@ -159,47 +160,55 @@ def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tok
     return bonus, state
 
 
-def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens, rounds_per_call,
-                chunk):
+def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafters: dict, choose, accept_lens,
+                rounds_per_call, chunk):
     """Yields each call's new tokens (the prefill's first token, then d_1..d_n, b' of each round the
-    call ran), appending each round's accept length to accept_lens."""
-    program = model.spec_program(drafter, sampling, rounds_per_call)
-    bonus, state = spec_prefill(model, program, drafter, prompt, max_new_tokens, base_key, chunk)
-    pending, produced, first = bonus, 0, True
+    call ran), appending each round's accept length to accept_lens. drafters: verify width -> drafter (one for a
+    fixed width); choose(report) -> the width of the next call, from the last report read (None before any)."""
+    programs = {w: model.spec_program(d, sampling, rounds_per_call) for w, d in drafters.items()}
+    widest = max(drafters)
+    bonus, state = spec_prefill(model, programs[widest], drafters[widest], prompt, max_new_tokens, base_key, chunk)
+    pending, pending_width, produced, report = bonus, None, 0, None
     start_host_copy(pending)
     while True:
         if produced + 1 < max_new_tokens:  # run ahead (a round yields at least one token)
-            state, out = program.round(model.weights, state)
+            width = choose(report)
+            state, out = programs[width].round(programs[width].weights, state)
             start_host_copy(out)
         else:
-            out = None
+            out = width = None
         value = host_read(pending)
-        if first:
-            tokens, first = [int(value)], False
+        if pending_width is None:
+            tokens = [int(value)]
         else:
             tokens = []
-            for row in value:  # one row per round: [t_0..t_S, count], the first count tokens are new
-                tokens += row[: row[-1]].tolist()
-                accept_lens.append(int(row[-1]))
+            for row in value:  # one row per round (lingjax.spec.step.output_row)
+                new, report = read_output_row(row, pending_width - 1)
+                tokens += new
+                accept_lens.append(len(new))
+            report = report if report.size else None
         yield tokens
         produced += len(tokens)
         if out is None:
             return
-        pending = out
+        pending, pending_width = out, width
 
 
 def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
              stop_ids: Sequence[int] = (), *, top_k: int = 0, top_p: float = 1.0, ignore_eos: bool = False,
              on_token: Callable[[int], None] | None = None, on_text: Callable[[str], None] | None = None,
              spec: str | None = None, steps: int | None = None, drafter=None, rounds_per_call: int = 1,
-             prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
+             prefill_chunk: int = PREFILL_CHUNK, widths: Sequence[int] | None = None) -> GenerationResult:
     """Generate up to max_new_tokens after `prompt`: text (encoded with model.tokenizer) or token ids.
 
     Stops at any of stop_ids or the tokenizer's stop ids (the config's EOS ids without a tokenizer) unless
     ignore_eos. on_token(id) is called as each token reaches the host; on_text(str) with the new text of each
     device call (streamed exactly: lingjax.detokenize), so under speculation text arrives in bursts of accepted
     tokens. spec="nextn" speculates with the MTP layer, `steps` drafts a round (5 unless given; greedy output
-    is identical to spec=None); `drafter` plugs in any other drafter object. rounds_per_call > 1 runs that many
+    is identical to spec=None); spec="dspark" with the model's DSpark drafter (model.draft; `steps` drafts of its
+    block are verified, all of them unless given; or, with `widths` (verify widths, each compiled once), the host
+    picks each call's width from the drafter's confidences of earlier rounds: lingjax.spec.dspark.WidthSchedule);
+    `drafter` plugs in any other drafter object. rounds_per_call > 1 runs that many
     speculative rounds (or plain decode steps) per device call: the host's fixed cost per call is shared and
     the tokens are the same either way. prefill_chunk: prompt tokens per prefill program, a power of two of at
     least 2 * VERIFY_ROWS. Every argument is checked (lingjax.requests) before the prompt reaches the device.
@@ -214,26 +223,36 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     prompt = requests.check_prompt_ids(prompt, model.cfg.vocab_size)
     if drafter is not None and spec is not None:
         raise ValueError("give spec or drafter, not both")
+    if widths is not None and (spec != "dspark" or steps is not None):
+        raise ValueError("widths (verify widths chosen per round) go with spec='dspark' and no steps")
     steps = requests.check_generation(model.cfg, prompt_len=prompt.size, max_new_tokens=max_new_tokens,
                                       temperature=temperature, top_k=top_k, top_p=top_p, spec=spec, steps=steps,
-                                      rounds_per_call=rounds_per_call, has_mtp=model.has_mtp)
+                                      rounds_per_call=rounds_per_call, has_mtp=model.has_mtp,
+                                      draft_block=_draft_block(model))
     check_prefill_chunk(prefill_chunk)
     stops = stop_set(model, stop_ids, ignore_eos)
     sampling = SamplingParams(temperature, top_k, top_p)
     base_key = model.put(jax.random.key(seed))
     accept_lens: list[int] = []
-    if spec is not None:
-        drafter = make_drafter(model, spec, steps)
+    if widths is not None:
+        schedule = make_schedule(model, widths)
+        drafters = {w: model.draft.drafter(w - 1) for w in schedule.widths}
+        choose = schedule.choose
+    else:
+        if spec is not None:
+            drafter = make_drafter(model, spec, steps)
+        drafters = {drafter.steps + 1: drafter} if drafter is not None else {}
+        choose = lambda report: next(iter(drafters))  # noqa: E731
     stream = TextStream(tokenizer) if tokenizer is not None else None
     if on_text is not None and stream is None:
         raise ValueError(f"on_text needs a tokenizer, and {model.source or 'this model'} has none")
 
     t0 = time.perf_counter()
-    if drafter is None:
+    if not drafters:
         steps_iter = _plain_steps(model, prompt, max_new_tokens, sampling, base_key, rounds_per_call, prefill_chunk)
     else:
-        steps_iter = _spec_steps(model, prompt, max_new_tokens, sampling, base_key, drafter, accept_lens,
-                                  rounds_per_call, prefill_chunk)
+        steps_iter = _spec_steps(model, prompt, max_new_tokens, sampling, base_key, drafters, choose, accept_lens,
+                                 rounds_per_call, prefill_chunk)
     tokens: list[int] = []
     times: list[float] = []
     stop_reason = "length"
@@ -303,10 +322,32 @@ def chat(model: Model, messages, max_new_tokens: int = 256, *, add_generation_pr
     return generate(model, text, max_new_tokens, **kwargs)
 
 
-def make_drafter(model: Model, spec: str, steps: int):
-    """The drafter object of a spec method at `steps` drafts a round (checked as generate checks them)."""
+def _draft_block(model: Model) -> int | None:
+    return model.draft.cfg.block_size if model.draft is not None else None
+
+
+def make_schedule(model: Model, widths: Sequence[int]):
+    """The WidthSchedule of a DSpark generation over these verify widths (costs from the byte model)."""
+    from lingjax.spec.dspark import WidthSchedule
+
+    block = _draft_block(model)
+    if block is None:
+        raise ValueError("widths need a DSpark drafter beside the model: lingjax.load(..., draft=DIR)")
+    bad = [w for w in widths if isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= min(block + 1,
+                                                                                                    VERIFY_ROWS)]
+    if not widths or bad:
+        raise ValueError(f"verify widths must be integers in [2, {min(block + 1, VERIFY_ROWS)}] (the drafter's "
+                         f"block size + 1), got {list(widths)}")
+    return WidthSchedule.for_model(model.cfg, widths)
+
+
+def make_drafter(model: Model, spec: str, steps: int | None):
+    """The drafter object of a spec method at `steps` drafts a round (checked as generate checks them): NEXTN's
+    MTP chain, or the model's DSpark drafter (model.draft)."""
     steps = requests.check_generation(model.cfg, prompt_len=1, max_new_tokens=1, spec=spec, steps=steps,
-                                      has_mtp=model.has_mtp)
+                                      has_mtp=model.has_mtp, draft_block=_draft_block(model))
+    if spec == "dspark":
+        return model.draft.drafter(steps)
     from lingjax.spec.drafters import NextnDrafter
 
     return NextnDrafter(steps=steps)

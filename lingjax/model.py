@@ -417,34 +417,46 @@ class LingModel(nnx.Module):
         """tokens: [T] int32 at positions start..start+T-1, of which the first n_valid are real
         (n_valid < T only on the chunked path, T > VERIFY_ROWS). Returns (hidden [T, D] after the final
         norm, updated cache)."""
-        x, layers, _ = self._layers(tokens, cache, start, n_valid, ex)
+        x, layers, _, _ = self._layers(tokens, cache, start, n_valid, ex)
         return x, ModelCache(layers=layers)
 
-    def verify(self, tokens, cache: ModelCache, start, ex: Exec = Exec()):
+    def forward_features(self, tokens, cache: ModelCache, start, n_valid, ex: Exec = Exec(), capture=()):
+        """forward, also returning the residual streams after the layers `capture` names (0-based), concatenated in
+        that order: (hidden [T, D], cache, features [T, len(capture)·D]). What a block drafter reads."""
+        x, layers, _, features = self._layers(tokens, cache, start, n_valid, ex, capture)
+        return x, ModelCache(layers=layers), features
+
+    def verify(self, tokens, cache: ModelCache, start, ex: Exec = Exec(), capture=()):
         """Speculative verify over T <= VERIFY_ROWS tokens: MLA caches and KDA conv rings are written at
         start..start+T-1, KDA caches are otherwise left as they are (the returned cache holds them). Returns
-        (hidden [T, D], cache, staging: per layer KDAStaged or None) for `lingjax.cache.commit`, which takes
-        each KDA layer's state and ring from its staging."""
+        (hidden [T, D], cache, staging: per layer KDAStaged or None, features [T, len(capture)·D] as
+        forward_features') for `lingjax.cache.commit`, which takes each KDA layer's state and ring from its
+        staging."""
         if tokens.shape[0] > VERIFY_ROWS:
             raise ValueError(f"a verify takes at most {VERIFY_ROWS} tokens, got {tokens.shape[0]}")
-        x, layers, staging = self._layers(tokens, cache, start, tokens.shape[0], ex)
+        x, layers, staging, features = self._layers(tokens, cache, start, tokens.shape[0], ex, capture)
         # a KDA layer keeps its committed cache until commit; every other layer's cache is the forward's
         layers = tuple(old if st is not None else new for old, new, st in zip(cache.layers, layers, staging))
-        return x, ModelCache(layers=layers), staging
+        return x, ModelCache(layers=layers), staging, features
 
-    def _layers(self, tokens, cache, start, n_valid, ex):
-        """-> (hidden [T, D] after the final norm, each layer's cache after the forward, each layer's staging)."""
+    def _layers(self, tokens, cache, start, n_valid, ex, capture=()):
+        """-> (hidden [T, D] after the final norm, each layer's cache after the forward, each layer's staging,
+        the residual streams after the `capture` layers [T, len(capture)·D])."""
         cfg = self.cfg
         paths = paths_for(tokens.shape[0], ex)
         positions = start + jnp.arange(paths.rows, dtype=jnp.int32)
         x = paths.pad(self.embed_tokens(tokens))
-        layers, staging = [], []
+        layers, staging, captured = [], [], {}
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             with jax.named_scope(f"layer{i}_{cfg.layer_types[i]}"):
                 x, layer_cache, staged = layer(cfg, x, layer_cache, positions, n_valid, paths)
             layers.append(layer_cache)
             staging.append(staged)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)[: paths.tokens], tuple(layers), tuple(staging)
+            if i in capture:
+                captured[i] = x[: paths.tokens]
+        features = jnp.concatenate([captured[i] for i in capture], -1) if capture else x[: paths.tokens, :0]
+        return (rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)[: paths.tokens], tuple(layers), tuple(staging),
+                features)
 
     def lm_logits(self, hidden, pad_small: bool = True):
         """hidden: [..., D] -> f32 logits [..., V] (under TP: this device's vocabulary shard; see

@@ -11,7 +11,7 @@ import numpy as np
 
 from lingjax.config import VERIFY_ROWS, LingConfig
 
-SPEC_METHODS = ("nextn",)
+SPEC_METHODS = ("nextn", "dspark")
 DEFAULT_STEPS = 5
 
 
@@ -51,9 +51,10 @@ def check_stop_ids(ids: Sequence[int], vocab_size: int) -> set[int]:
 
 def check_generation(cfg: LingConfig, *, prompt_len: int, max_new_tokens: int, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, spec: str | None = None, steps: int | None = None,
-                     rounds_per_call: int = 1, has_mtp: bool | None = None) -> int:
+                     rounds_per_call: int = 1, has_mtp: bool | None = None, draft_block: int | None = None) -> int:
     """Everything about a request but the prompt's ids; returns the drafts per round (0 without spec).
-    Options that would have no effect are errors, so a typo never silently changes nothing."""
+    draft_block: the block size of the model's DSpark drafter (None: it has none). Options that would have no
+    effect are errors, so a typo never silently changes nothing."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
     check_sampling(temperature, top_k, top_p)
@@ -66,10 +67,22 @@ def check_generation(cfg: LingConfig, *, prompt_len: int, max_new_tokens: int, t
                          f"model's maximum length of {cfg.max_position_embeddings} tokens")
     if spec is None:
         if steps is not None:
-            raise ValueError("steps (drafts per speculative round) has no effect without spec; add spec='nextn'")
+            raise ValueError("steps (drafts per speculative round) has no effect without spec; add spec='nextn' or 'dspark'")
         return 0
     if spec not in SPEC_METHODS:
         raise ValueError(f"spec must be one of {SPEC_METHODS} or None, got {spec!r}")
+    if spec == "dspark":
+        if draft_block is None:
+            raise ValueError("spec='dspark' needs a DSpark drafter beside the model: load it with "
+                             "lingjax.load(..., draft=DIR) (the CLI's --draft DIR)")
+        steps = draft_block if steps is None else steps
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps <= draft_block:
+            raise ValueError(f"steps must be in [1, {draft_block}] (the drafter's block size) with spec='dspark', "
+                             f"got {steps}")
+        if steps + 1 > VERIFY_ROWS:
+            raise ValueError(f"a verify of {steps + 1} rows is past the kernels' {VERIFY_ROWS}: give steps <= "
+                             f"{VERIFY_ROWS - 1}")
+        return int(steps)
     steps = DEFAULT_STEPS if steps is None else steps
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps <= VERIFY_ROWS - 1:
         raise ValueError(f"steps must be in [1, {VERIFY_ROWS - 1}] (verify width steps+1 <= {VERIFY_ROWS}), "

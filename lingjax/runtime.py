@@ -33,7 +33,7 @@ from lingjax.quantization import Fp8Layout
 from lingjax.sampling import SamplingParams, sample
 from lingjax.memory import check_fits
 from lingjax.requests import check_prompt_ids
-from lingjax.shipped import default_checkpoint
+from lingjax.shipped import default_checkpoint, default_draft
 from lingjax.tokenizer import Tokenizer
 
 log = logging.getLogger("lingjax")
@@ -141,6 +141,7 @@ class Model:
         self.cfg: LingConfig = module.cfg
         self.source = source
         self.tokenizer = tokenizer  # text <-> ids (lingjax.tokenizer); None: this model takes token ids only
+        self.draft = None  # a lingjax.spec.dspark.DSpark beside the target (with_draft), for spec="dspark"
         self.mesh = mesh
         self.tp = 1 if mesh is None else mesh.size
         if mesh is not None:
@@ -177,6 +178,18 @@ class Model:
         xla_ops, tuning, compile): its own programs, compiled on first use."""
         other = copy.copy(self)
         other._set_options(dataclasses.replace(self.options, **changes))
+        return other
+
+    def with_draft(self, draft) -> Model:
+        """This model with a DSpark drafter (lingjax.spec.dspark.DSpark, or None) beside it, its weights placed on
+        the programs' devices (replicated under TP): its own programs, compiled on first use."""
+        if draft is not None:
+            draft.cfg.check_target(self.cfg)
+            draft = copy.copy(draft)
+            draft.params = self.put(draft.params)
+        other = copy.copy(self)
+        other._set_options(self.options)
+        other.draft = draft
         return other
 
     @property
@@ -427,8 +440,23 @@ def weights_layout(cfg: LingConfig, directory: Path | None, weights: str, tp: in
 _OWN = object()  # load(tokenizer=...) default: the source's own tokenizer
 
 
+def load_draft(draft, cfg: LingConfig, dtype: str, shipped: bool):
+    """load's `draft` argument -> a lingjax.spec.dspark.DSpark or None (see load)."""
+    from lingjax.spec import dspark
+
+    if draft is None or isinstance(draft, dspark.DSpark):
+        return draft
+    if draft == "auto":
+        directory = default_draft() if shipped else None
+        return dspark.load_dspark(directory, dtype, cfg) if directory is not None else None
+    if draft == "random":
+        return dspark.random_dspark(dspark.default_config(cfg), dtype)
+    return dspark.load_dspark(draft, dtype, cfg)
+
+
 def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kernels: str = "auto", seed: int = 0,
-         progress=None, tp: int = 1, router_precision: str = "f32", tokenizer=_OWN, weights: str = "auto") -> Model:
+         progress=None, tp: int = 1, router_precision: str = "f32", tokenizer=_OWN, weights: str = "auto",
+         draft="auto") -> Model:
     """Load a model: the shipped code model (no argument: lingjax.shipped), a preset name (random weights:
     {presets}), a directory in the official
     safetensors layout, or a lingjax (orbax) checkpoint written by `lingjax convert`. tp > 1 shards
@@ -438,13 +466,16 @@ def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kern
     change, so parity tests keep the default "f32"). tokenizer: a lingjax.Tokenizer (or None) in place of
     the source's own. weights: "auto" keeps what a checkpoint stores in fp8 in fp8 on the device (docs/fp8.md),
     "fp8" quantizes every other matrix too (a preset's random weights, a bf16 checkpoint as it loads), "dense"
-    holds everything in `dtype`. Every argument is checked, and the model's size against the free device memory,
-    before any weight is drawn or read."""
+    holds everything in `dtype`. draft: the DSpark drafter for spec="dspark" (Model.draft): "auto" (the shipped
+    model's own drafter with the shipped model, none otherwise), a draft checkpoint directory, "random" (a random
+    drafter shaped for the model, lingjax.spec.dspark.default_config: for timing rounds), or None. Every argument is
+    checked, and the model's size against the free device memory, before any weight is drawn or read."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     options = RunOptions(kernels=kernels, router_precision=router_precision)
     jdtype = DTYPES[dtype]
-    if path_or_preset is None:
+    shipped = path_or_preset is None
+    if shipped:
         path_or_preset = default_checkpoint()
     source = str(path_or_preset)
     cfg, directory = resolve(source)
@@ -453,9 +484,10 @@ def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kern
     check_fits(cfg, jdtype, tp, source, fp8=fp8)
     if tokenizer is _OWN:
         tokenizer = source_tokenizer(cfg, directory, source)  # read before the weights: a bad file fails fast
+    drafter = load_draft(draft, cfg, dtype, shipped)  # small: read before the target, so a bad one fails fast
     if directory is None:
         return Model(random_model(cfg, jdtype, seed, mesh, fp8=fp8), options, mesh=mesh, source=f"preset:{source}",
-                     tokenizer=tokenizer)
+                     tokenizer=tokenizer).with_draft(drafter)
     sharding_for = place = None
     if mesh is not None:
 
@@ -470,7 +502,7 @@ def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kern
     else:
         module = checkpoint.load_safetensors(directory, cfg, jdtype, place=place, progress=progress, weights=weights,
                                              tp=tp)
-    return Model(module, options, mesh=mesh, source=str(directory), tokenizer=tokenizer)
+    return Model(module, options, mesh=mesh, source=str(directory), tokenizer=tokenizer).with_draft(drafter)
 
 
 load.__doc__ = load.__doc__.format(presets=", ".join(sorted(PRESETS)))

@@ -17,3 +17,12 @@ def default_checkpoint() -> Path:
         raise FileNotFoundError(f"the default model {DEFAULT_NAME} is not at {DEFAULT_CHECKPOINT} (it ships with "
                                 "a clone of the repository): name one with --model or --checkpoint")
     return DEFAULT_CHECKPOINT
+
+DRAFT_NAME = "ling-code-tiny-dspark"
+DEFAULT_DRAFT = DEFAULT_CHECKPOINT.parent / DRAFT_NAME
+
+
+def default_draft() -> Path | None:
+    """The shipped model's DSpark drafter (lingjax.spec.dspark), trained against it; None when this install
+    lacks it."""
+    return DEFAULT_DRAFT if (DEFAULT_DRAFT / "config.json").exists() else None

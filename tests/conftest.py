@@ -118,6 +118,11 @@ SLOW = {
         "test_command_data_comes_from_the_cache", "test_command_exports_a_finished_run",
         "test_command_refuses_other_options_and_corpus", "test_command_resume_equals_uninterrupted_steps",
         "test_command_runs_resumes_and_exports", "test_embedded_checkpoint_fits_on_disk"},
+    "test_dspark": {
+        "test_context_cache_holds_the_targets_features_of_committed_rows", "test_greedy_equals_plain_greedy",
+        "test_greedy_then_sampled_then_greedy_is_unpolluted", "test_tensor_parallel_equals_one_device",
+        "test_widths_switching_every_call_stay_lossless"},
+    "test_train_dspark": {"test_command_trains_resumes_and_exports"},
     "test_spec": {
         "test_bf16_greedy_spec_equals_plain_128_tokens", "test_decode_and_verify_reduce_alike",
         "test_greedy_then_sampled_then_greedy_is_unpolluted", "test_nextn_greedy_equals_plain_greedy_128_tokens",

@@ -137,6 +137,8 @@ def test_generate_speculative(capsys):
     plain = _run(args, capsys)[1]
     code, out, err = _run(args + ["--spec", "nextn", "--steps", "3"], capsys)
     assert code == 0 and out == plain and "mean accept length" in err
+    code, out, err = _run(args + ["--spec", "dspark", "--draft", "random", "--widths", "3,5"], capsys)
+    assert code == 0 and out == plain and "mean accept length" in err
 
 
 def test_generate_tensor_parallel(capsys):
@@ -164,6 +166,16 @@ BAD_REQUESTS = {
     "no new tokens": (TINY + ["--prompt", "a", "--max-new-tokens", "0"], "max_new_tokens"),
     "steps without spec": (TINY + ["--prompt", "a", "--steps", "3"], "no effect without spec"),
     "steps past the verify width": (TINY + ["--prompt", "a", "--spec", "nextn", "--steps", "99"], "steps must be"),
+    "dspark without a drafter": (TINY + ["--prompt", "a", "--spec", "dspark"], "needs a DSpark drafter"),
+    "draft without dspark": (TINY + ["--prompt", "a", "--draft", "random"], "no effect without --spec dspark"),
+    "widths without dspark": (TINY + ["--prompt", "a", "--widths", "3"], "no effect without --spec dspark"),
+    "no such draft": (TINY + ["--prompt", "a", "--spec", "dspark", "--draft", "no/such"], "no config.json"),
+    "widths and steps": (TINY + ["--prompt", "a", "--spec", "dspark", "--draft", "random", "--steps", "3",
+                                 "--widths", "3,5"], "not both"),
+    "widths past the block": (TINY + ["--prompt", "a", "--spec", "dspark", "--draft", "random", "--widths", "3,12"],
+                              "--widths must lie"),
+    "dspark steps past the block": (TINY + ["--prompt", "a", "--spec", "dspark", "--draft", "random", "--steps",
+                                            "12"], "the drafter's block size"),
     "stop id outside the vocabulary": (TINY + ["--prompt", "a", "--stop-ids", "99999"], "stop ids"),
     "system without chat": (TINY + ["--prompt", "a", "--system", "s"], "no effect without --chat"),
     "chat option without chat": (TINY + ["--prompt", "a", "--chat-option", "x=1"], "no effect without --chat"),

@@ -59,7 +59,8 @@ def _lowered_programs(cfg: LingConfig, capacity: int = 256, steps: int = 3):
         drafter = engine.make_drafter(model, "nextn", steps)
         draft = jax.eval_shape(lambda: drafter.init(model.module, capacity))
         state = SpecState(cache=cache, draft=draft, s=i32, bonus=i32, round=i32, key=key)
-        programs.append(("spec round", model.spec_program(drafter, SamplingParams()).round, (model.weights, state)))
+        program = model.spec_program(drafter, SamplingParams())
+        programs.append(("spec round", program.round, (program.weights, state)))
     return [(name, fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()) for name, fn, args in programs]
 
 

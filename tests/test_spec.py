@@ -89,9 +89,9 @@ def test_decode_and_verify_reduce_alike():
     drafter = engine.make_drafter(model, "nextn", 3)
     state = SpecState(cache=cache, draft=jax.eval_shape(lambda: drafter.init(model.module, 64)), s=i32, bonus=i32,
                       round=i32, key=key)
-    spec_round = model.spec_program(drafter, SamplingParams(), 1).round
+    program = model.spec_program(drafter, SamplingParams(), 1)
     in_decode = _layer_reductions(jax.make_jaxpr(decode)(model.weights, cache, i32, i32, key).jaxpr)
-    in_round = _layer_reductions(jax.make_jaxpr(spec_round)(model.weights, state).jaxpr)
+    in_round = _layer_reductions(jax.make_jaxpr(program.round)(program.weights, state).jaxpr)
     assert in_decode, "no layer reductions found: the scope names changed?"
     assert in_decode == in_round, (in_decode - in_round, in_round - in_decode)
 
@@ -259,7 +259,7 @@ def test_verify_then_commit_equals_sequential_decode(n):
     forward, verify = jax.jit(module.forward), jax.jit(module.verify)
     cache = model.new_cache(64)
     _, cache = forward(jnp.asarray(prompt, jnp.int32), cache, 0, len(prompt))
-    hidden, verified, staging = verify(jnp.asarray(window, jnp.int32), cache, len(prompt))
+    hidden, verified, staging, _ = verify(jnp.asarray(window, jnp.int32), cache, len(prompt))
     end = len(prompt) + n + 1  # the committed length
     rejected = ring_slots(end, len(window) - n - 1, conv_ring_size(model.cfg))
     poisoned = tuple(None if st is None else dataclasses.replace(

@@ -1,17 +1,21 @@
-"""Drafters: what proposes the S tokens a speculative round verifies.
+"""Drafters: what proposes the drafts a speculative round verifies.
 
 A drafter is a frozen (hashable) object whose methods are pure functions called inside the jitted
-round with the merged LingModel; its state is a pytree it owns, carried in SpecState.draft.
+round with the merged LingModel; its state is a pytree it owns, carried in SpecState.draft, and its own
+weights (a block drafter's network; () for the others) are `params`, an argument of the programs.
+- feature_layers: the target layers whose residual streams it reads (TargetRows.features); () for none
+- params_of(model) -> its weights for a lingjax.Model (a pytree of arrays, replicated under TP)
 - init(module, capacity) -> state
-- prefill(module, state, tokens [T], hidden [T, D], start, n_valid, next_token, ex) -> state:
-  consume a prompt chunk (target hidden rows included); next_token is the token after the chunk.
-- propose(module, state, bonus, s, ex) -> (drafts [S] int32, state)
-- extend(module, state, tokens [S+1], hidden [S+1, D], s, n, ex) -> state: after the verdict,
-  with the round's tokens (first n+1 valid: d_1..d_n, b') and the verify hidden rows.
+- prefill(module, params, state, rows: TargetRows, next_token, ex) -> state: consume a prompt chunk
+  (the target's rows included); next_token is the token after the chunk.
+- propose(module, params, state, bonus, s, key, sampling, ex) -> (Proposal, state)
+- extend(module, params, state, rows: TargetRows, n, ex) -> state: after the verdict, with the round's
+  verify rows (tokens: the first n+1 are d_1..d_n, b').
 `ex` is the lingjax.execution.Exec of the program (kernel set, TP axis: lm_head logits are vocabulary
 shards under TP, so drafters take argmaxes through ex.argmax_vocab).
-A block drafter (DSpark) implements the same four and reuses verify/accept/commit unchanged.
+`steps` is S, the drafts a round verifies (verify width S + 1).
 ReplayDrafter proposes a known continuation: for checking losslessness and timing at set acceptance.
+The DSpark block drafter is lingjax.spec.dspark.DSparkDrafter.
 """
 
 from __future__ import annotations
@@ -27,6 +31,40 @@ from lingjax.cache import MLACache, init_mla_cache
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class TargetRows:
+    """What the target computed for a run of rows at positions start..start+T-1 (a prompt chunk or a verify)."""
+
+    tokens: jax.Array  # [T] int32: the rows' input tokens
+    hidden: jax.Array  # [T, D]: after the final norm
+    features: jax.Array  # [T, F]: the residual streams after the drafter's feature_layers (F = 0 for none)
+    start: jax.Array  # int32
+    n_valid: jax.Array  # int32: the first n_valid rows are real
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Proposal:
+    """A round's drafts and what acceptance needs to know of them."""
+
+    drafts: jax.Array  # [S] int32
+    # [S, V] f32: the distribution each draft was sampled from (rejection sampling); None: the drafts are
+    # deterministic (argmax), and sampled rounds take the target-only rule
+    probs: jax.Array | None = None
+    limit: jax.Array | None = None  # int32: drafts that count (the rest are never accepted); None: all S
+    report: jax.Array | None = None  # [R] f32 for the host, read one round late (DSpark: survival probabilities)
+
+
+class _NoParams:
+    """For drafters without weights of their own."""
+
+    feature_layers: tuple[int, ...] = ()
+
+    def params_of(self, model) -> tuple:
+        return ()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class NextnState:
     cache: MLACache  # the MTP layer's latent cache
     d1: jax.Array  # int32: the first draft of the next round
@@ -34,7 +72,7 @@ class NextnState:
 
 
 @dataclasses.dataclass(frozen=True)
-class NextnDrafter:
+class NextnDrafter(_NoParams):
     """NEXTN chain (topk = 1) with the checkpoint's MTP layer: S drafts from S-1 MTP forwards
     (d_1 comes from the previous round's draft-extend)."""
 
@@ -49,28 +87,29 @@ class NextnDrafter:
         d1 = ex.argmax_vocab(module.lm_logits(z, pad_small=False))
         return NextnState(cache=cache, d1=d1, g=z)
 
-    def prefill(self, module, state, tokens, hidden, start, n_valid, next_token, ex):
+    def prefill(self, module, params, state, rows: TargetRows, next_token, ex):
         # MTP row p takes (x_{p+1}, h_p): the chunk shifted left, the token after it at row n_valid-1.
+        tokens, n_valid = rows.tokens, rows.n_valid
         shifted = jnp.concatenate([tokens[1:], tokens[:1]]).at[n_valid - 1].set(next_token)
-        z, cache = module.mtp_forward(shifted, hidden, state.cache, start, n_valid, ex)
+        z, cache = module.mtp_forward(shifted, rows.hidden, state.cache, rows.start, n_valid, ex)
         return self._seed(module, jax.lax.dynamic_index_in_dim(z, n_valid - 1, keepdims=False), cache, ex)
 
-    def propose(self, module, state, bonus, s, ex):
+    def propose(self, module, params, state, bonus, s, key, sampling, ex):
         drafts, g, cache = [state.d1], state.g, state.cache
         for i in range(1, self.steps):  # MTP row at s+i-1 with (d_i, g) predicts d_{i+1}
             z, cache = module.mtp_forward(drafts[-1][None], g[None], cache, s + i - 1, 1, ex)
             g = z[0]
             drafts.append(ex.argmax_vocab(module.lm_logits(g, pad_small=False)))
-        return jnp.stack(drafts), NextnState(cache=cache, d1=state.d1, g=g)
+        return Proposal(jnp.stack(drafts)), NextnState(cache=cache, d1=state.d1, g=g)
 
-    def extend(self, module, state, tokens, hidden, s, n, ex):
+    def extend(self, module, params, state, rows: TargetRows, n, ex):
         # MTP rows at s..s+S with (y_r, h_{s+r}); row n seeds the next round, rows past n are junk.
-        z, cache = module.mtp_forward(tokens, hidden, state.cache, s, tokens.shape[0], ex)
+        z, cache = module.mtp_forward(rows.tokens, rows.hidden, state.cache, rows.start, rows.tokens.shape[0], ex)
         return self._seed(module, jax.lax.dynamic_index_in_dim(z, n, keepdims=False), cache, ex)
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplayDrafter:
+class ReplayDrafter(_NoParams):
     """Proposes a known continuation of the sequence (the target's own greedy output), with the draft
     at absolute position p made wrong when (p² + p // 2) % corrupt_every == 0 (an irregular pattern,
     so accept lengths vary; corrupt_every=0: every draft right, 1: every draft wrong). Its state is
@@ -93,16 +132,16 @@ class ReplayDrafter:
         seq[: len(self.sequence)] = self.sequence
         return jnp.asarray(seq)
 
-    def prefill(self, module, state, tokens, hidden, start, n_valid, next_token, ex):
+    def prefill(self, module, params, state, rows: TargetRows, next_token, ex):
         return state
 
-    def propose(self, module, state, bonus, s, ex):
+    def propose(self, module, params, state, bonus, s, key, sampling, ex):
         positions = s + 1 + jnp.arange(self.steps)
         drafts = jax.lax.dynamic_slice_in_dim(state, s + 1, self.steps)
         if self.corrupt_every:
             wrong = (positions * positions + positions // 2) % self.corrupt_every == 0
             drafts = jnp.where(wrong, (drafts + 1) % self.vocab, drafts)
-        return drafts, state
+        return Proposal(drafts), state
 
-    def extend(self, module, state, tokens, hidden, s, n, ex):
+    def extend(self, module, params, state, rows: TargetRows, n, ex):
         return state

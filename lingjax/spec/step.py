@@ -15,12 +15,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from lingjax import cache as cache_lib
 from lingjax.runtime import check_rounds_per_call, steps_in_one_call
 from lingjax.sampling import SamplingParams, sample
 from lingjax.spec.accept import accept
+from lingjax.spec.drafters import TargetRows
 
 
 @jax.tree_util.register_dataclass
@@ -36,66 +38,95 @@ class SpecState:
 
 class SpecProgram:
     """Jitted prefill and rounds for one (model, drafter, sampling, rounds_per_call) combination;
-    under TP each body runs inside shard_map (the drafter's state is replicated).
-    round(weights, state) -> (state after rounds_per_call rounds, int32 [rounds_per_call, S+2])."""
+    under TP each body runs inside shard_map (the drafter's state and weights are replicated).
+    Every program takes `weights` = (the target's weights, the drafter's params): `self.weights`.
+    round(weights, state) -> (state after rounds_per_call rounds, int32 [rounds_per_call, 2 + S + R]: each
+    round's `output_row`)."""
 
     def __init__(self, model, drafter, sampling: SamplingParams, rounds_per_call: int = 1):
         self.model, self.drafter, self.sampling = model, drafter, sampling
         self.rounds_per_call = check_rounds_per_call(rounds_per_call)
+        self.draft_params = drafter.params_of(model)
         rep = P()
+        weight_specs = (model.weight_specs, jax.tree.map(lambda _: rep, self.draft_params))
         draft_specs = jax.tree.map(lambda _: rep, jax.eval_shape(lambda: drafter.init(model.module, 1)))
         state_specs = SpecState(cache=model.cache_specs, draft=draft_specs, s=rep, bonus=rep, round=rep, key=rep)
-        chunk_specs = ((model.weight_specs, model.cache_specs, draft_specs) + (rep,) * 5, (rep, model.cache_specs,
-                                                                                        draft_specs))
+        chunk_specs = ((weight_specs, model.cache_specs, draft_specs) + (rep,) * 5, (rep, model.cache_specs,
+                                                                                  draft_specs))
         self._prefill = {
             last: model.step_jit(model.sharded(functools.partial(self._prefill_chunk, last=last), *chunk_specs),
                                  donate_argnums=(1, 2))
             for last in (False, True)
         }
-        self.round = model.step_jit(model.sharded(self._rounds, (model.weight_specs, state_specs), (state_specs, rep)),
+        self.round = model.step_jit(model.sharded(self._rounds, (weight_specs, state_specs), (state_specs, rep)),
                                     donate_argnums=(1,))
+
+    @property
+    def weights(self) -> tuple:
+        """What every program of this one takes first: (the model's weights, the drafter's params)."""
+        return self.model.weights, self.draft_params
 
     def prefill_chunk(self, weights, cache, draft, tokens, start, n_valid, next_token, key, *, last: bool):
         return self._prefill[last](weights, cache, draft, tokens, start, n_valid, next_token, key)
 
     def _module(self, weights):
-        return self.model._module(weights)
+        return self.model._module(weights[0]), weights[1]
 
     def _prefill_chunk(self, weights, cache, draft, tokens, start, n_valid, next_token, key, last: bool):
         """One prompt chunk through the target, then through the drafter. On the last chunk the
         token after the prompt is the target's own first token b, sampled here."""
-        module = self._module(weights)
+        module, params = self._module(weights)
         ex = self.model.ex
-        hidden, cache = module.forward(tokens, cache, start, n_valid, ex)
+        hidden, cache, features = module.forward_features(tokens, cache, start, n_valid, ex,
+                                                          self.drafter.feature_layers)
         if last:
             logits = module.lm_logits(jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False))
             next_token = sample(logits, jax.random.fold_in(key, 0), self.sampling, ex)
-        draft = self.drafter.prefill(module, draft, tokens, hidden, start, n_valid, next_token, ex)
+        rows = TargetRows(tokens=tokens, hidden=hidden, features=features, start=start, n_valid=n_valid)
+        draft = self.drafter.prefill(module, params, draft, rows, next_token, ex)
         return next_token, cache, draft
 
     def _rounds(self, weights, state: SpecState):
-        """-> (state after rounds_per_call rounds, int32 [rounds_per_call, S+2]: each round's output)."""
+        """-> (state after rounds_per_call rounds, int32 [rounds_per_call, 2 + S + R]: each round's output)."""
         return steps_in_one_call(lambda st: self._round(weights, st), state, self.rounds_per_call)
 
     def _round(self, weights, state: SpecState):
-        """-> (next state, int32 [S+2] output)."""
-        module = self._module(weights)
+        """-> (next state, int32 [2 + S + R]: output_row)."""
+        module, params = self._module(weights)
         ex = self.model.ex
         key = jax.random.fold_in(state.key, state.round + 1)
+        k_draft, k_accept = jax.random.split(key)
         with jax.named_scope("draft"):
-            drafts, draft = self.drafter.propose(module, state.draft, state.bonus, state.s, ex)
+            proposal, draft = self.drafter.propose(module, params, state.draft, state.bonus, state.s, k_draft,
+                                                   self.sampling, ex)
         with jax.named_scope("verify"):
-            inputs = jnp.concatenate([state.bonus[None], drafts])  # [S+1]: b, d_1..d_S
-            hidden, cache, staging = module.verify(inputs, state.cache, state.s, ex)
+            inputs = jnp.concatenate([state.bonus[None], proposal.drafts])  # [S+1]: b, d_1..d_S
+            hidden, cache, staging, features = module.verify(inputs, state.cache, state.s, ex,
+                                                             self.drafter.feature_layers)
             logits = module.lm_logits(hidden)  # [S+1, V], lm_head read once for all rows
         with jax.named_scope("accept"):
-            n, tokens = accept(drafts, logits, key, self.sampling, ex)
+            n, tokens = accept(proposal, logits, k_accept, self.sampling, ex)
         with jax.named_scope("commit"):
             cache = cache_lib.commit(cache, staging, n)
         with jax.named_scope("draft_extend"):
-            draft = self.drafter.extend(module, draft, tokens, hidden, state.s, n, ex)
+            rows = TargetRows(tokens=tokens, hidden=hidden, features=features, start=state.s,
+                              n_valid=jnp.int32(tokens.shape[0]))
+            draft = self.drafter.extend(module, params, draft, rows, n, ex)
         new_state = SpecState(cache=cache, draft=draft, s=state.s + n + 1, bonus=tokens[n],
                               round=state.round + 1, key=state.key)
-        # One small array for the host's one read: [t_0..t_S, count]; the first count = n+1 tokens
-        # (the accept length) are this round's new tokens.
-        return new_state, jnp.concatenate([tokens, (n + 1)[None]])
+        return new_state, output_row(n, tokens, proposal.report)
+
+
+def output_row(n, tokens, report=None) -> jax.Array:
+    """A round's one small array for the host's one read: int32 [2 + S + R] = [count, t_0..t_S, report...]: the
+    first count = n+1 tokens (the accept length) are the round's new tokens; then the proposal's report (R f32
+    values, bit for bit in int32: read_output_row)."""
+    parts = [(n + 1)[None], tokens]
+    if report is not None:
+        parts.append(jax.lax.bitcast_convert_type(report.astype(jnp.float32), jnp.int32))
+    return jnp.concatenate(parts)
+
+
+def read_output_row(row: np.ndarray, steps: int) -> tuple[list[int], np.ndarray]:
+    """A host copy of output_row of a round with `steps` drafts -> (its new tokens, its report as float32)."""
+    return row[1 : 1 + row[0]].tolist(), row[2 + steps :].view(np.float32)
