@@ -281,8 +281,16 @@ def forward(params: dict, biases: jax.Array, tokens: jax.Array, cfg: LingConfig,
 
     Returns (hidden [B, T, D] after the final norm, in the compute dtype: what LingModel.forward returns and
     what the MTP layer reads; RouterStats of the L main MoE layers)."""
+    hidden, stats, _ = forward_features(params, biases, tokens, cfg, remat=remat)
+    return hidden, stats
+
+
+def forward_features(params: dict, biases: jax.Array, tokens: jax.Array, cfg: LingConfig, *, remat: bool = False,
+                     capture: tuple[int, ...] = ()):
+    """forward, also returning the residual streams after the layers `capture` names, concatenated in that order
+    ([B, T, len(capture)·D]; LingModel.forward_features'): what a DSpark drafter reads of the target."""
     x = params["embed"][tokens]
-    loads, balance = [], []
+    loads, balance, captured = [], [], {}
     row = 0
     for i, (attn_kind, mlp_kind) in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
         bias = biases[row] if mlp_kind == MOE else None
@@ -291,7 +299,10 @@ def forward(params: dict, biases: jax.Array, tokens: jax.Array, cfg: LingConfig,
             loads.append(layer_loads)
             balance.append(layer_balance)
             row += 1
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), _stats(loads, balance)
+        if i in capture:
+            captured[i] = x
+    features = jnp.concatenate([captured[i] for i in capture], -1) if capture else x[..., :0]
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), _stats(loads, balance), features
 
 
 def mtp_forward(params: dict, bias: jax.Array, hidden: jax.Array, next_tokens: jax.Array, cfg: LingConfig, *,

@@ -1,0 +1,70 @@
+"""`python -m lingjax.train.dspark`: the objective's pieces, the command on a few stdlib files against the shipped
+model (runs, resumes, refuses other options, exports a drafter that loads beside the target), its errors."""
+
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lingjax
+from conftest import key_for
+from lingjax.train import dspark as train_dspark
+
+FLAGS = ["--steps", "3", "--batch", "2", "--seq-len", "32", "--anchors", "4", "--block-size", "4", "--layers", "1",
+         "--markov-rank", "8", "--intermediate", "64", "--log-every", "1", "--mask-token-id", "7"]
+
+
+def test_anchors_are_distinct_sorted_and_leave_room_for_the_block():
+    a = np.asarray(train_dspark.sample_anchors(key_for("anchors"), 3, 40, 20, 8))
+    assert a.shape == (3, 20) and (np.diff(a, axis=1) > 0).all()
+    assert a.min() >= 0 and a.max() + 8 <= 40
+
+
+def _roots(root: Path) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    (root / "json").mkdir(parents=True)
+    for name in ("textwrap.py", "string.py", "bisect.py"):
+        shutil.copy(stdlib / name, root / name)
+    shutil.copy(stdlib / "json" / "scanner.py", root / "json" / "scanner.py")
+    return root
+
+
+def _main(argv, capsys):
+    code = train_dspark.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_command_trains_resumes_and_exports(tmp_path, capsys):
+    roots = _roots(tmp_path / "corpus")
+    out, export = tmp_path / "run", tmp_path / "draft"
+    argv = ["--out", out, "--roots", f"stdlib={roots}", *FLAGS]
+    code, stdout, _ = _main(argv + ["--time-limit-s", "0"], capsys)
+    assert code == 0
+    first = json.loads(stdout.strip().splitlines()[-1])
+    assert first["step"] == 1 < first["total"]  # the time limit: one step, saved, not exported
+    assert not (out / "export").exists()
+    code, stdout, _ = _main(argv + ["--export", export], capsys)
+    assert code == 0 and "step 3:" in stdout and "export:" in stdout
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["step"] == 3 and np.isfinite(summary["held_out"]["loss"])
+    model = lingjax.load(draft=export)
+    assert model.draft.cfg.block_size == 4 and model.draft.cfg.mask_token_id == 7
+    assert lingjax.generate(model, "def f(x):", 6, spec="dspark").tokens == lingjax.generate(model, "def f(x):", 6).tokens
+    code, _, err = _main(["--out", out, "--roots", f"stdlib={roots}", *FLAGS[:-2], "--mask-token-id", "8"], capsys)
+    assert code == 2 and "another run" in err and "mask_token_id" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--anchors", "40", "--seq-len", "32"], "does not fit"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--target", "no/such/dir"], "needs config.json"),
+    (["--roots", "nolabel"], "LABEL=PATH"),
+])
+def test_bad_options_are_one_line(argv, says, tmp_path, capsys):
+    code, out, err = _main(["--out", tmp_path / "run", *argv], capsys)
+    assert code == 2 and out == "" and err.startswith("lingjax.train.dspark: error: ") and says in err
