@@ -81,6 +81,21 @@ def median_seconds(fn, *args, reps: int) -> float:
     return statistics.median(times)
 
 
+def pipelined_seconds(fn, *args, calls: int = 10, reps: int = 5) -> float:
+    """Median over `reps` batches of the wall time per call of `calls` calls of fn(*args) dispatched back to back
+    with one wait at the end, after one untimed call: the host's dispatch overlaps the device's work, so a call's
+    fixed host cost drops out where the device takes longer (median_seconds waits after every call)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
 def read_bandwidth(elements: int = 2 << 30, warm: int = 10, reps: int = 21) -> float:
     """Read bandwidth in B/s: a bf16 array (4 GiB by default) summed in f32 (a step mostly reads weights), after
     `warm` untimed passes. Its result moves between processes and within one, so a bench that divides by it

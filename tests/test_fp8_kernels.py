@@ -7,14 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import key_for, rel_err
+from conftest import REORDER_TOL, key_for, rel_err
 from lingjax.config import VERIFY_ROWS, preset
 from lingjax.model import fp8_layout
 from lingjax.ops import fp8
 from lingjax.ops import moe as moe_ops
 from lingjax.ops.linear import linear
-from lingjax.pallas import moe_experts
-from lingjax.pallas.fp8_linear import ROWS, Fp8LinearTuning, fp8_linear, supports
+from lingjax.pallas import X_ROW_MIN_BYTES, moe_experts, reads_one_row, x_row_mode
+from lingjax.pallas.fp8_linear import ROWS, Fp8LinearTuning, fp8_linear, plan, supports
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 S = jax.ShapeDtypeStruct
@@ -76,6 +76,66 @@ def test_fp8_linear_rows_are_independent():
     np.testing.assert_array_equal(np.asarray(whole[:1]), np.asarray(one))
 
 
+def test_fp8_linear_reads_the_real_rows_sums():
+    """With tokens = T < the rows of x (a verify's padded rows), the K splits' partial sums of the T real rows alone
+    are added after the launch: those rows equal the whole x's, the rows past them come out zero."""
+    kx, kw = jax.random.split(key_for("fp8_linear_real_rows"))
+    w = _weight(kw, (128, 1024), (64, 128))
+    x = jax.random.normal(kx, (VERIFY_ROWS, 1024), F32).astype(BF16)
+    tuning = Fp8LinearTuning(k_splits=4)
+    got = fp8_linear(x, w, F32, tokens=3, tuning=tuning, interpret=True)
+    assert got.shape == (VERIFY_ROWS, 128)
+    assert rel_err(got[:3], fp8_linear(x, w, F32, tuning=tuning, interpret=True)[:3]) <= REORDER_TOL
+    assert rel_err(got[:3], _exact(x[:3], w)) < 1e-5
+    assert not np.asarray(got[3:]).any()
+
+
+def test_x_row_loads_wide_enough_to_pipeline():
+    """At T = 1 x's one row is read alone only where the load spans x_row_min_bytes per 4 warps (4 bytes a thread:
+    Triton pipelines no narrower load); fp8 partial sums a scale block wide read the step's row once and split it
+    (x_row_split), else the block's row, else 16 gathered copies; every T > 1 gathers."""
+    assert reads_one_row(1, 256, BF16) and not reads_one_row(1, 128, BF16)
+    assert not reads_one_row(1, 256, BF16, warps=8) and reads_one_row(1, 512, BF16, warps=8)
+    assert not reads_one_row(2, 4096, BF16)
+    assert x_row_mode(1, 256, 128, BF16, split=True) == "step"
+    assert x_row_mode(1, 256, 128, BF16) == ""  # a block's row is 256 bytes: gathered
+    assert x_row_mode(1, 256, 128, BF16, min_bytes=256) == "sum"
+    assert x_row_mode(1, 256, 256, BF16, split=True) == "sum"  # no blocks to split into: bf16 weights
+    assert x_row_mode(1, 256, 128, BF16, warps=8, split=True) == ""
+    assert x_row_mode(4, 256, 128, BF16, split=True) == ""
+    assert X_ROW_MIN_BYTES == 512
+
+
+SINGLE_TOKEN_TUNINGS = [  # (tuning, how x's row is read at T = 1)
+    (Fp8LinearTuning(), "gather"),  # a 128-column block's row: 256 bytes, 2 a thread
+    (Fp8LinearTuning(x_row_min_bytes=256), "sum"),  # read per block all the same
+    (Fp8LinearTuning(x_row_split=True), "step"),  # the step's 256 columns once, split in two
+    (Fp8LinearTuning(bk=512, k_splits=1, x_row_split=True), "step"),  # split in four
+    (Fp8LinearTuning(warps=8, x_row_split=True), "gather"),  # 512 bytes over 256 threads
+    (Fp8LinearTuning(warps=8, bk=512, k_splits=1, x_row_split=True), "step"),
+]
+
+
+@pytest.mark.parametrize("tuning,mode", SINGLE_TOKEN_TUNINGS)
+@pytest.mark.parametrize("x_rows", [VERIFY_ROWS, 1], ids=["padded", "one row"])
+def test_fp8_linear_single_token_reads_of_x(tuning, mode, x_rows):
+    """At tokens = 1 every way of reading x's row 0 (16 gathered copies, one row per scale block, one per K step
+    split in registers) gives row 0 of x · (q·s)ᵀ, as the same rows at T = 16 do, from x's other rows as well
+    (a read of the wrong row shows) and from x's one row alone (the drafter's)."""
+    kx, kw = jax.random.split(key_for("fp8_linear_one_token", str(tuning)))
+    n, k = 128, 1024
+    w = _weight(kw, (n, k), (128, 128))
+    x = jax.random.normal(kx, (VERIFY_ROWS, k), F32).astype(BF16)
+    assert plan(BF16, n, k, w.block, tokens=1, tuning=tuning)["x_row"] == mode
+    assert plan(BF16, n, k, w.block, tuning=tuning)["x_row"] == "gather"
+    got = fp8_linear(x[:x_rows], w, F32, tokens=1, tuning=tuning, interpret=True)
+    assert got.shape == (x_rows, n)
+    assert rel_err(got[:1], _exact(x[:1], w)) < 1e-5
+    assert not np.asarray(got[1:]).any()  # the rows past the real one come out zero
+    verify = fp8_linear(x, w, F32, tuning=tuning, interpret=True)
+    assert rel_err(got[:1], verify[:1]) <= REORDER_TOL  # separate programs: XLA:CPU may order sums differently
+
+
 def test_fp8_linear_refusals_name_the_dimension():
     w = S((128, 256), fp8.FP8), S((1, 2), F32)
     assert supports(S((ROWS + 1, 256), BF16), fp8.Fp8Array(*w)) and "rows" in supports(
@@ -124,6 +184,43 @@ def test_fp8_routed_experts_match_reference(t, up_block, down_block, with_shared
     assert rel_err(got, exact) < (1e-5 if dtype == F32 else 1e-2)
     assert rel_err(got, moe_ops.routed_experts(x, router, bias, wg, wu, wd, 4.0, tokens=t, **routing, **extra)) < (
         1e-5 if dtype == F32 else 3e-2)
+
+
+EXPERT_ROW_TUNINGS = [  # T = 1 tunings: how the up kernel reads x's row with fp8 experts
+    moe_experts.ExpertTuning(bk_up=256, x_row_min_bytes=1 << 30),  # 16 gathered copies
+    moe_experts.ExpertTuning(bk_up=256, x_row_min_bytes=64),  # one row per scale block
+    moe_experts.ExpertTuning(bk_up=256, x_row_min_bytes=64, x_row_split=True),  # per K step, split in registers
+    moe_experts.ExpertTuning(bk_up=256, x_row_split=True, warps_up=8, warps_down=8),  # bf16: gathered; f32: split
+]
+
+
+@pytest.mark.parametrize("tuning", EXPERT_ROW_TUNINGS)
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_fp8_single_token_expert_row_reads(tuning, dtype):
+    """routed_experts at T = 1 with fp8 experts and the shared expert, x's row read by the up kernel gathered, per
+    scale block or per K step split in registers (blocks of 64 columns: 4 parts a step): the reference's result on
+    the fp8 weights dequantized to f32, with other tokens in x's padded rows (a read of the wrong row shows)."""
+    e, i, d, k = 16, 128, 256, 4
+    keys = jax.random.split(key_for("fp8_moe_rows", str(tuning), dtype.__name__), 9)
+    up_block, down_block = (32, 64), (64, 32)
+    wg, wu = _weight(keys[0], (e, i, d), up_block), _weight(keys[1], (e, i, d), up_block)
+    wd = _weight(keys[2], (e, d, i), down_block)
+    shared = (_weight(keys[3], (i, d), up_block), _weight(keys[4], (i, d), up_block),
+              _weight(keys[5], (d, i), down_block))
+    x = jax.random.normal(keys[6], (VERIFY_ROWS, d), F32).astype(dtype)
+    router, bias = jax.random.normal(keys[7], (e, d), F32) * 0.1, jax.random.normal(keys[8], (e,), F32) * 0.1
+    routing = dict(top_k=k, n_group=4, topk_group=2, scaling=2.5, renormalize=True)
+    kw = dict(tokens=1, **routing, shared=shared, shared_limit=7.0)
+    assert moe_experts.supports_routed_experts(x, router, bias, wg, wu, wd, 4.0, **kw, tuning=tuning) is None
+    got = moe_experts.routed_experts(x, router, bias, wg, wu, wd, 4.0, **kw, tuning=tuning, interpret=True)
+    f32 = lambda w: w.dequantize(F32)
+    exact = moe_ops.routed_experts(x, router, bias, f32(wg), f32(wu), f32(wd), 4.0, tokens=1, **routing,
+                                   shared=tuple(map(f32, shared)), shared_limit=7.0)
+    assert got.shape == (1, d)
+    assert rel_err(got, exact) < (1e-5 if dtype == F32 else 1e-2)
+    gathered = moe_experts.routed_experts(x, router, bias, wg, wu, wd, 4.0, **kw, tuning=EXPERT_ROW_TUNINGS[0],
+                                          interpret=True)
+    assert rel_err(got, gathered) <= (REORDER_TOL if dtype == F32 else 1e-2)  # bf16: h's rounding may flip
 
 
 def test_fp8_experts_refuse_mixed_weights():
@@ -208,3 +305,43 @@ def test_flash_fp8_calls_are_supported_and_lower_for_an_h200(tp, monkeypatch):
             return kernel(*full, **static, **extra, interpret=False)
 
         jax.jit(fn).trace(*(args[j] for j in arrays), *(shared or ())).lower(lowering_platforms=("cuda",))
+
+
+DECODE_VARIANTS = [  # the decode's (T = 1) other ways of reading x, at Flash's TP1 shapes
+    ("fp8_linear", Fp8LinearTuning(x_row_split=True)),
+    ("fp8_linear", Fp8LinearTuning(x_row_min_bytes=256)),
+    ("fp8_linear", Fp8LinearTuning(warps=8, bk=512, k_splits=1, x_row_split=True)),  # four blocks a step
+    ("routed_experts", moe_experts.ExpertTuning(bk_up=256, stages_up=3, bn_up=64, x_row_split=True)),
+    ("routed_experts", moe_experts.ExpertTuning(bk_up=512, stages_up=3, bn_up=64, warps_up=8, x_row_split=True)),
+    ("routed_experts", moe_experts.ExpertTuning(bk_up=256, stages_up=3, bn_up=64, x_row_min_bytes=256)),
+]
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("op,tuning", DECODE_VARIANTS)
+def test_flash_fp8_decode_row_reads_lower_for_an_h200(op, tuning, monkeypatch):
+    """The decode's x-row variants (one row per K step split in registers, one per scale block, 8 warps) at Flash's
+    TP1 shapes lower to Triton IR for an H200, and supports() takes them."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
+    calls = {label: (check, kernel, args, kw) for label, check, kernel, args, kw in _flash_fp8_calls(1)}
+    if op == "fp8_linear":
+        check, kernel, args, kw = calls["kda in_proj rows=1"]  # [20480, 2560]: K splits of 1280 columns
+        kw = dict(kw, tokens=1)
+    else:
+        check, kernel, args, kw = calls["routed_experts T=1"]
+    kw = dict(kw, tuning=tuning)
+    assert check(*args, **kw) is None
+    shared = kw.pop("shared", None)
+    arrays = [j for j, a in enumerate(args) if not isinstance(a, float)]
+
+    def fn(*a):
+        full = list(args)
+        for j, v in zip(arrays, a):
+            full[j] = v
+        extra = {} if shared is None else dict(shared=a[len(arrays):])
+        return kernel(*full, **kw, **extra, interpret=False)
+
+    jax.jit(fn).trace(*(args[j] for j in arrays), *(shared or ())).lower(lowering_platforms=("cuda",))

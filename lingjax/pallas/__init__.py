@@ -16,16 +16,33 @@ from lingjax.pallas.grid_dependency import after_producers
 
 _NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b [N, K]ᵀ
 
-# At T = 1 a kernel whose dot takes 16 copies of x's one row (moe_experts' up kernel, moe_router's GEMV) reads
-# the row once per K step and broadcasts it when the step's row spans at least this many bytes; below, the
-# broadcast is slower on the H200 (docs/kernels/moe.md). The default of the kernels' tuning field x_row_min_bytes.
+# At T = 1 a kernel whose dot takes 16 copies of x's one row (moe_experts' up kernel, moe_router's GEMV,
+# fp8_linear) reads the row once and broadcasts it when one load of it spans at least this many bytes per 4
+# warps of the program: 4 bytes a thread, the smallest copy Triton's software pipeline issues (a narrower load is
+# left in the loop, unpipelined, and its latency is paid at every K step: docs/kernels/moe.md). Below, the kernel
+# gathers the 16 copies (one pipelined load). The default of the kernels' tuning field x_row_min_bytes.
 X_ROW_MIN_BYTES = 512
 
 
-def reads_one_row(tokens: int, bk: int, dtype, min_bytes: int = X_ROW_MIN_BYTES) -> bool:
-    """Whether a kernel gathering 16 x rows per K step of bk reads x's one row instead: T = 1 and a step's row
-    spans at least min_bytes."""
-    return tokens == 1 and bk * jnp.dtype(dtype).itemsize >= min_bytes
+def reads_one_row(tokens: int, width: int, dtype, min_bytes: int = X_ROW_MIN_BYTES, warps: int = 4) -> bool:
+    """Whether a kernel gathering 16 x rows per load of `width` columns reads x's one row instead: T = 1 and the
+    row's load spans at least min_bytes per 4 of the program's warps."""
+    return tokens == 1 and width * jnp.dtype(dtype).itemsize * 4 >= min_bytes * warps
+
+
+# How a kernel at T = 1 reads x's one row (x_row_mode): once per K step, split in registers into the step's
+# partial sums; once per partial sum; or not at all (16 gathered copies, as at every T > 1).
+ROW_PER_STEP, ROW_PER_SUM, GATHER = "step", "sum", ""
+
+
+def x_row_mode(tokens: int, bk: int, sub: int, dtype, min_bytes: int = X_ROW_MIN_BYTES, warps: int = 4,
+               split: bool = False) -> str:
+    """How a kernel whose K steps of bk columns hold partial sums of sub columns (sub < bk: an fp8 weight's scale
+    blocks, scaled_k_loop) reads x at T = 1: ROW_PER_STEP (split, and the step's row wide enough: one load a step,
+    split in registers), ROW_PER_SUM (a partial sum's row wide enough), else GATHER (also at every T > 1)."""
+    if split and sub < bk and reads_one_row(tokens, bk, dtype, min_bytes, warps):
+        return ROW_PER_STEP
+    return ROW_PER_SUM if reads_one_row(tokens, sub, dtype, min_bytes, warps) else GATHER
 
 
 def x_rows(x_ref, rows, ks, one_row: bool):
@@ -34,6 +51,14 @@ def x_rows(x_ref, rows, ks, one_row: bool):
     if one_row:
         return jnp.broadcast_to(x_ref[pl.ds(0, 1), ks], (rows.shape[0], ks.size))
     return x_ref[rows, ks]
+
+
+def row_reader(x_ref, mode: str, offset=0):
+    """scaled_k_loop's step_x for ROW_PER_STEP (else None): (start, size) -> x_ref's row 0 over columns
+    offset + start .. + size, [1, size]."""
+    if mode != ROW_PER_STEP:
+        return None
+    return lambda start, size: x_ref[pl.ds(0, 1), pl.ds(offset + start, size)]
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -110,26 +135,38 @@ def selected(expert):
     return _instrument.selected(expert)
 
 
-def scaled_k_loop(n_steps: int, bk: int, sub: int, zero: tuple, terms, scales=None, block_k: int = 0) -> tuple:
+def scaled_k_loop(n_steps: int, bk: int, sub: int, zero: tuple, terms, scales=None, block_k: int = 0,
+                  step_x=None) -> tuple:
     """Σ over K of a kernel's partial sums -> accumulators shaped like the tuple `zero` (f32): n_steps K steps of
-    bk, each in bk / sub partial sums `terms(start, ks, scale)` of `sub` columns (start, pl.ds(start, sub)).
+    bk, each in bk / sub partial sums `terms(start, ks, scale, xs)` of `sub` columns (start, pl.ds(start, sub)).
 
     fp8 weights (lingjax.ops.fp8): each partial sum lies in one scale block of block_k columns, `scales(kb)` loads
     the scales of K block kb (a tuple, one per weight the terms read) and `scale` is that tuple. The loop carries
     the next step's scales, loaded before the current step's dots, so a scale's load latency hides behind them
-    (Triton pipelines the weight tiles a dot reads, not a scalar load). Plain weights: scales None, scale None."""
-    count = bk // sub
+    (Triton pipelines the weight tiles a dot reads, not a scalar load). Plain weights: scales None, scale None.
 
-    def add(acc, start, scale):
-        return tuple(a + t for a, t in zip(acc, terms(start, pl.ds(start, sub), scale)))
+    step_x (T = 1, x_row_mode ROW_PER_STEP): `step_x(start, bk)` reads x's one row for the whole K step, [1, bk],
+    once (a load of the step's width, which Triton pipelines where a partial sum's would be too narrow); it is
+    split in registers into the step's bk / sub parts, and `xs` is the part of each partial sum. Without it xs is
+    None and terms reads x itself."""
+    count = bk // sub
 
     def starts(kk):
         return [pl.multiple_of(kk * bk + j * sub, sub) for j in range(count)]
 
+    def parts(kk):
+        if step_x is None:
+            return [None] * count
+        row = step_x(pl.multiple_of(kk * bk, bk), bk)
+        return jnp.split(row, count, axis=-1) if count > 1 else [row]
+
+    def add(acc, start, scale, xs):
+        return tuple(a + t for a, t in zip(acc, terms(start, pl.ds(start, sub), scale, xs)))
+
     if scales is None:
         def step(kk, acc):
-            for start in starts(kk):
-                acc = add(acc, start, None)
+            for start, xs in zip(starts(kk), parts(kk)):
+                acc = add(acc, start, None, xs)
             return acc
 
         return jax.lax.fori_loop(0, n_steps, step, zero)
@@ -141,8 +178,8 @@ def scaled_k_loop(n_steps: int, bk: int, sub: int, zero: tuple, terms, scales=No
     def scaled_step(kk, carry):
         acc, current = carry
         following = load(kk + 1)
-        for start, scale in zip(starts(kk), current):
-            acc = add(acc, start, scale)
+        for start, scale, xs in zip(starts(kk), current, parts(kk)):
+            acc = add(acc, start, scale, xs)
         return acc, following
 
     acc, _ = jax.lax.fori_loop(0, n_steps, scaled_step, (zero, load(0)))

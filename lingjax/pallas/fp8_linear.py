@@ -6,8 +6,12 @@ weight once, converts each tile to x's dtype in registers (e4m3 values are exact
 [ROWS, bk] rows on the tensor cores with f32 accumulation, and scales each block's partial sum by the block's
 scale before adding it (so the product is Σ x·q·s with q·s exact in f32: the reference rounds q·s to x's dtype
 first, the kernel does not). With K splits the partial sums [splits, ROWS, N] are added in split order after the
-launch. Every row is computed by the same programs whatever the number of real rows, so a decode's row and a
-verify's round alike (row invariance, lingjax.model).
+launch, the real rows' alone. Every row is computed by the same programs whatever the number of real rows, so a
+decode's row and a verify's round alike (row invariance, lingjax.model).
+
+At T = 1 (tokens=1) every row the dot takes is x's row 0, read as lingjax.pallas.x_row_mode says: once per K step
+and split in registers into the step's scale blocks, once per block, or as 16 gathered copies where a row load
+would be too narrow for Triton to pipeline (the same values in every case, so row 0 rounds as in a verify).
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops.fp8 import Fp8Array
-from lingjax.pallas import (MIN_DOT_K, dot_nt, is_pow2, pallas_call, pow2_tile, resolve_interpret, scaled_k_loop,
-                            short_dot, x_rows)
+from lingjax.pallas import (MIN_DOT_K, ROW_PER_SUM, X_ROW_MIN_BYTES, dot_nt, is_pow2, pallas_call, pow2_tile,
+                            resolve_interpret, row_reader, scaled_k_loop, short_dot, x_row_mode, x_rows)
 
 F32 = jnp.float32
 ROWS = 16  # the rows of x one program multiplies (a Triton dot's smallest M); fewer are padded
@@ -35,7 +39,9 @@ class Fp8LinearTuning:
     rows (wide tiles: x's rows, read again by every program, cost less beside them); bk: the K step, a power of 2
     dividing K / k_splits (steps wider than a scale block take one partial sum per block); k_splits: K splits
     (0: doubled while the programs are fewer than TARGET_PROGRAMS, each split whole scale blocks of at least
-    min_split columns)."""
+    min_split columns). x_row_min_bytes, x_row_split: how a decode (T = 1) reads x's one row
+    (lingjax.pallas.x_row_mode: from a load of this many bytes per 4 warps; once per K step, split in registers,
+    with x_row_split)."""
 
     bn: int = 128
     bk: int = 256
@@ -43,6 +49,8 @@ class Fp8LinearTuning:
     min_split: int = 256
     warps: int = 4
     stages: int = 4
+    x_row_min_bytes: int = X_ROW_MIN_BYTES
+    x_row_split: bool = False
 
 
 def _tiles(n: int, k: int, block: tuple[int, int], tuning: Fp8LinearTuning) -> tuple[int, int, int, int]:
@@ -57,6 +65,16 @@ def _tiles(n: int, k: int, block: tuple[int, int], tuning: Fp8LinearTuning) -> t
             splits *= 2
     bk = pow2_tile(k // splits, tuning.bk)
     return bn, splits, bk, min(bk, gk)
+
+
+def plan(x_dtype, n: int, k: int, block: tuple[int, int], tokens=None,
+         tuning: Fp8LinearTuning = Fp8LinearTuning()) -> dict:
+    """The launch fp8_linear makes for x of `x_dtype` and an [n, k] weight in scale blocks `block`: its N tile,
+    K splits, K step, partial-sum width and (tokens=1) how x's row is read (lingjax.pallas.x_row_mode)."""
+    bn, splits, bk, sub = _tiles(n, k, block, tuning)
+    mode = x_row_mode(1 if tokens == 1 else ROWS, bk, sub, x_dtype, tuning.x_row_min_bytes, tuning.warps,
+                      tuning.x_row_split)
+    return dict(bn=bn, splits=splits, bk=bk, sub=sub, x_row=mode or "gather")
 
 
 def supports(x, w: Fp8Array, out_dtype=None, *, tokens=None, tuning: Fp8LinearTuning = Fp8LinearTuning(),
@@ -86,22 +104,26 @@ def supports(x, w: Fp8Array, out_dtype=None, *, tokens=None, tuning: Fp8LinearTu
     return None
 
 
-def _kernel(x_ref, q_ref, s_ref, y_ref, *, bn, bk, sub, gn, gk, k_split, one_row):
-    # x_ref [ROWS, K] (one_row: [≥ 1, K], its row 0 alone read); q_ref [N, K] fp8; s_ref [N / gn, K / gk] f32;
-    # y_ref [splits, ROWS, N] f32
+def _kernel(x_ref, q_ref, s_ref, y_ref, *, bn, bk, sub, gn, gk, k_split, one_token, x_row):
+    # x_ref [ROWS, K] (one_token: [≥ 1, K], its row 0 alone read); q_ref [N, K] fp8; s_ref [N / gn, K / gk] f32;
+    # y_ref [splits, ROWS, N] f32. x_row: lingjax.pallas.x_row_mode at T = 1.
     n, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(n * bn, bn)
     row_block = n * bn // gn
     k0 = split * k_split
-    rows = jnp.arange(ROWS)
+    # at T = 1 every row is row 0 (x may hold that row alone: the drafter's), gathered or broadcast
+    rows = jnp.zeros((ROWS,), jnp.int32) if one_token else jnp.arange(ROWS)
 
-    def terms(start, ks, scale):  # one partial sum per scale block a K step spans
-        xs = x_rows(x_ref, rows, pl.ds(k0 + start, ks.size), one_row)
+    def terms(start, ks, scale, part):  # one partial sum per scale block a K step spans
+        if part is None:
+            xs = x_rows(x_ref, rows, pl.ds(k0 + start, ks.size), x_row == ROW_PER_SUM)
+        else:  # x's row of the whole K step, read once, this block's part
+            xs = jnp.broadcast_to(part, (ROWS, ks.size))
         w = q_ref[cols, pl.ds(k0 + start, ks.size)].astype(xs.dtype)
         return (dot_nt(xs, w) * scale[0],)
 
     (acc,) = scaled_k_loop(k_split // bk, bk, sub, (jnp.zeros((ROWS, bn), F32),), terms,
-                           lambda kb: (s_ref[row_block, k0 // gk + kb],), gk)
+                           lambda kb: (s_ref[row_block, k0 // gk + kb],), gk, row_reader(x_ref, x_row, k0))
     y_ref[split, :, cols] = acc
 
 
@@ -110,9 +132,10 @@ def fp8_linear(x, w: Fp8Array, out_dtype=None, *, tokens=None, tuning: Fp8Linear
                interpret=None):
     """x [..., K] (at most ROWS rows), w an Fp8Array [N, K] -> [..., N] in out_dtype (default x's dtype), from
     f32 sums rounded once; as lingjax.ops.fp8.linear (lingjax.ops.linear.linear(x, w.dequantize(x.dtype))) but
-    without rounding the dequantized weight. tokens: the rows that are real (default all); at tokens = 1 the
-    kernel reads x's row 0 once per K step and broadcasts it into the dot's ROWS rows (the same dot, so row 0
-    rounds as in a verify), and rows past it are unspecified. Shapes it lowers for: supports."""
+    without rounding the dequantized weight. tokens: the rows that are real (default all): only their partial
+    sums are read after the launch, and the rows past them come out zero; at tokens = 1 the kernel reads x's row 0
+    alone (the module docstring says how) into the dot's ROWS rows (the same dot, so row 0 rounds as in a
+    verify). Shapes it lowers for: supports."""
     interpret = resolve_interpret(interpret)
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
@@ -124,19 +147,26 @@ def fp8_linear(x, w: Fp8Array, out_dtype=None, *, tokens=None, tuning: Fp8Linear
         raise ValueError(f"fp8_linear multiplies at most {ROWS} rows, got {rows}")
     gn, gk = w.block
     bn, splits, bk, sub = _tiles(n, k, (gn, gk), tuning)
-    one_row = tokens == 1
-    if rows < ROWS and not one_row:
+    one_token = tokens == 1
+    if rows < ROWS and not one_token:
         flat = jnp.pad(flat, ((0, ROWS - rows), (0, 0)))
+    x_row = x_row_mode(1 if one_token else ROWS, bk, sub, x.dtype, tuning.x_row_min_bytes, tuning.warps,
+                       tuning.x_row_split)
     params = None if interpret else pltriton.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages)
     y = pallas_call(
-        functools.partial(_kernel, bn=bn, bk=bk, sub=sub, gn=gn, gk=gk, k_split=k // splits, one_row=one_row),
+        functools.partial(_kernel, bn=bn, bk=bk, sub=sub, gn=gn, gk=gk, k_split=k // splits, one_token=one_token,
+                          x_row=x_row),
         out_shape=jax.ShapeDtypeStruct((splits, ROWS, n), F32),
         grid=(n // bn, splits),
         compiler_params=params,
         interpret=interpret,
         name="fp8_linear",
     )(flat, w.q, w.scale)
-    out = y[0]
+    real = rows if tokens is None else min(tokens, rows)  # the rows whose sums are read (a decode's one)
+    out = y[0, :real]
     for j in range(1, splits):  # the splits' partial sums in split order, a chain of adds (row invariance)
-        out = out + y[j]
-    return out[:rows].astype(out_dtype or x.dtype).reshape(*lead, n)
+        out = out + y[j, :real]
+    out = out.astype(out_dtype or x.dtype)
+    if real < rows:  # in the same fusion as the sums
+        out = jnp.pad(out, ((0, rows - real), (0, 0)))
+    return out.reshape(*lead, n)

@@ -30,8 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops.fp8 import Fp8Array
-from lingjax.pallas import (MIN_DOT_K, X_ROW_MIN_BYTES, dot_nt, is_pow2, pallas_call, pow2_tile, reads_one_row,
-                            resolve_interpret, scaled_k_loop, selected, short_dot, x_rows)
+from lingjax.pallas import (MIN_DOT_K, ROW_PER_SUM, X_ROW_MIN_BYTES, dot_nt, is_pow2, pallas_call, pow2_tile,
+                            resolve_interpret, row_reader, scaled_k_loop, selected, short_dot, x_row_mode, x_rows)
 from lingjax.pallas import moe_router
 from lingjax.pallas.l2_prefetch import lines_per_program, prefetch_share
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
@@ -64,7 +64,12 @@ class ExpertTuning:
     # routed_experts at T = 1: the shared expert's rows over shared_split times the up programs, bn_up / split
     # wide each (where that is at least MIN_DOT_ROWS)
     shared_split: int = 2
-    x_row_min_bytes: int = X_ROW_MIN_BYTES  # T = 1: a K step's x row from this size is read once and broadcast
+    # T = 1: the up kernel reads x's one row and broadcasts it where a load of it spans this many bytes per 4 warps,
+    # else it gathers 16 copies (lingjax.pallas.x_row_mode)
+    x_row_min_bytes: int = X_ROW_MIN_BYTES
+    # T = 1 with fp8 weights, whose partial sums are a scale block wide: the row read once per K step and split in
+    # registers into the step's blocks (True), or read per block (False)
+    x_row_split: bool = False
 
 
 def one_token_tiles(i_dim: int) -> ExpertTuning:
@@ -150,7 +155,7 @@ def _swiglu(g, u, limit):
 
 
 def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
-               shared_limit, routing, x_row, shared_split, prefetch_lines, has_shared, blocks):
+               shared_limit, routing, x_row_modes, shared_split, prefetch_lines, has_shared, blocks):
     # plan_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
     # x_ref [R ≥ T, D] (rows past T unread); wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
     # with fp8 weights (blocks = ((gn, gk) of the experts, of the shared expert)) their scales after them, the
@@ -162,6 +167,7 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
     # shared_split (T = 1): the shared expert's rows over shared_split times the programs, bn / shared_split wide.
     # prefetch_lines (T = 1, with a shared expert): lines of the shared gate and up weights each routed program
     # pulls into L2 before it selects.
+    # x_row_modes: (partial-sum width, how x is read at T = 1 with sums that wide: lingjax.pallas.x_row_mode) pairs.
     shared = rest[:2] if has_shared else ()
     rest = rest[len(shared):]
     scales = rest[:2 + 2 * has_shared] if blocks else ()
@@ -176,13 +182,19 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
 
     def block(tok, slots, rows, wg, wu, lim, scale=None, block_k=bk):
         # tok [BM] token rows; wg, wu: ks -> [rows, sub] weight tiles; scale: (K block) -> (gate, up) scales
-        def terms(start, ks, scales):
-            xs = x_rows(x_ref, tok, ks, x_row)  # [BM, sub] gathered rows (T = 1: x's one row, broadcast)
+        x_row = dict(x_row_modes)[block_k]
+
+        def terms(start, ks, scales, part):
+            if part is None:  # [BM] gathered rows (T = 1: x's one row, broadcast or gathered)
+                xs = x_rows(x_ref, tok, ks, x_row == ROW_PER_SUM)
+            else:  # T = 1: x's row of the whole K step, read once, this partial sum's part
+                xs = jnp.broadcast_to(part, (block_m, ks.size))
             g, u = dot_nt(xs, wg(ks).astype(xs.dtype)), dot_nt(xs, wu(ks).astype(xs.dtype))  # gate, up: same K step
             return (g, u) if scales is None else (g * scales[0], u * scales[1])
 
         zero = jnp.zeros((block_m, rows.size), F32)
-        g, u = scaled_k_loop(x_ref.shape[1] // bk, bk, min(bk, block_k), (zero, zero), terms, scale, block_k)
+        g, u = scaled_k_loop(x_ref.shape[1] // bk, bk, min(bk, block_k), (zero, zero), terms, scale, block_k,
+                             row_reader(x_ref, x_row))
         h_ref[slots, rows] = _swiglu(g, u, lim).astype(h_ref.dtype)  # the one rounding
 
     def expert_scale(e):
@@ -261,7 +273,8 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, bloc
     slots = pl.ds(b * block_m, block_m)
 
     def block(wd, scale=None, block_k=bk):  # wd: ks -> [BN, sub] tile; scale: (K block) -> (the tile's scale,)
-        def terms(start, ks, scales):
+        def terms(start, ks, scales, xs):
+            del xs  # h's rows are read here (scaled_k_loop reads no row for this kernel)
             hs = h_ref[slots, ks]
             d = dot_nt(hs, wd(ks).astype(hs.dtype))  # [BM, sub] · [BN, sub]ᵀ
             return (d if scales is None else d * scales[0],)
@@ -426,6 +439,11 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     # at T = 1 the routed programs, nb x I tiles, share the shared expert's gate and up weights to prefetch
     prefetch_lines = lines_per_program(shared[:2], nb * (i_dim // bn_up)) if routing and ns else 0
 
+    # how the up kernel reads x at T = 1 with partial sums of each width its weights take (a scale block's or bk_up)
+    x_row_modes = tuple((block_k, x_row_mode(t, bk_up, min(bk_up, block_k), x.dtype, tuning.x_row_min_bytes,
+                                             tuning.warps_up, tuning.x_row_split))
+                        for block_k in sorted({bk_up, *(b[1] for b in up_blocks or ())}))
+
     def params(warps, stages, per_stage_bytes):  # per stage: one K step's tiles of both operands
         stages = _stages_within(stages, per_stage_bytes)
         return None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages)
@@ -440,7 +458,7 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     h, *routed = pallas_call(
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
                           limit=float(limit), shared_limit=float(shared_limit), routing=routing,
-                          x_row=reads_one_row(t, bk_up, x.dtype, tuning.x_row_min_bytes), shared_split=split,
+                          x_row_modes=x_row_modes, shared_split=split,
                           prefetch_lines=prefetch_lines, has_shared=ns > 0, blocks=up_blocks),
         out_shape=out_shape,
         grid=(nb + ns * split, i_dim // bn_up),

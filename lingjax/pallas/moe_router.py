@@ -43,7 +43,7 @@ class RouterTuning:
     warps: int = 4  # per GEMV program
     stages: int = 3  # the GEMV's K-loop pipeline
     select_warps: int = 4  # per select program (one token each)
-    x_row_min_bytes: int = X_ROW_MIN_BYTES  # T = 1: a K step's x row from this size is read once and broadcast
+    x_row_min_bytes: int = X_ROW_MIN_BYTES  # T = 1: a K step's x row from this size (per 4 warps) is read once
 
 
 def _divisor(n: int, want: int) -> int:
@@ -227,7 +227,7 @@ def partial_logits(x, router_w, *, precision="f32", tokens=None, tuning: RouterT
     bt = tuning.bt
     return pallas_call(
         functools.partial(_gemv_kernel, t=t, bt=bt, be=be, bk=bk, k_per_split=k_per_split, dtype=dtype,
-                          x_row=reads_one_row(t, bk, x.dtype, tuning.x_row_min_bytes)),
+                          x_row=reads_one_row(t, bk, x.dtype, tuning.x_row_min_bytes, tuning.warps)),
         out_shape=jax.ShapeDtypeStruct((k_splits, t, n_exp), F32),
         grid=(n_exp // be, k_splits, pl.cdiv(t, bt)),
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=tuning.warps,
