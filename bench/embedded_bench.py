@@ -110,20 +110,33 @@ def run_hf(prompts: dict, checkpoint: Path, new_tokens: int, device: str, dtype:
 
 
 # ---- lingjax --------------------------------------------------------------------------------------------
-def run_lingjax(prompts: dict, checkpoint: Path, new_tokens: int, dtype: str, steps: list[int]) -> dict:
+def run_lingjax(prompts: dict, checkpoint: Path, new_tokens: int, dtype: str, steps: list[int],
+                draft: str | None = None, dspark_steps: list[int] = ()) -> dict:
+    """Plain greedy, NEXTN at each of `steps`, then DSpark (the drafter `draft`, or the checkpoint's own with the
+    shipped model) verifying each of `dspark_steps` drafts of its block, in one process."""
     import lingjax
 
-    model = lingjax.load(checkpoint, dtype=dtype)
-    out = {"engine": f"lingjax {lingjax.__version__}", "dtype": dtype, "runs": {}}
-    for spec_steps in [0] + steps:
-        kw = {} if spec_steps == 0 else {"spec": "nextn", "steps": spec_steps}
+    model = lingjax.load(checkpoint, dtype=dtype, draft=draft or "auto") if draft or checkpoint != DEFAULT_CHECKPOINT \
+        else lingjax.load(dtype=dtype)
+    out = {"engine": f"lingjax {lingjax.__version__}", "dtype": dtype, "runs": {},
+           "draft": None if model.draft is None else model.draft.source}
+    configs = [("plain", {})] + [(f"nextn:{s}", {"spec": "nextn", "steps": s}) for s in steps]
+    if dspark_steps and model.draft is None:
+        raise SystemExit("--dspark-steps needs a drafter: --draft DIR (the shipped model has its own)")
+    configs += [(f"dspark:{s}", {"spec": "dspark", "steps": s}) for s in dspark_steps]
+    for label, kw in configs:
         lingjax.generate(model, prompts["ids"][0], new_tokens, ignore_eos=True, **kw)  # warm-up (compiles)
         runs = [lingjax.generate(model, ids, new_tokens, ignore_eos=True, **kw) for ids in prompts["ids"]]
-        out["runs"][spec_steps] = {
+        out["runs"][label] = {
             "tokens": [r.tokens for r in runs], "tpot_s": [r.tpot_mean_s for r in runs],
-            "ttft_s": [r.ttft_s for r in runs], "accept": [r.mean_accept_len for r in runs] if spec_steps else None,
-            "rounds": [len(r.accept_lens) for r in runs] if spec_steps else None}
+            "ttft_s": [r.ttft_s for r in runs], "accept": [r.mean_accept_len for r in runs] if kw else None,
+            "rounds": [len(r.accept_lens) for r in runs] if kw else None}
     return out
+
+
+def _name(label: str) -> str:
+    kind, _, s = label.partition(":")
+    return "plain greedy" if kind == "plain" else f"{'NEXTN' if kind == 'nextn' else 'DSpark'} S={s}"
 
 
 # ---- report -----------------------------------------------------------------------------------------------
@@ -140,25 +153,27 @@ def lingjax_table(say, prompts: dict, lj: dict, new_tokens: int) -> None:
     say(f"checkpoint {prompts['checkpoint']}; {len(prompts['ids'])} held-out prompts of {prompts['prompt_tokens']} "
         f"tokens ({', '.join(prompts['files'][:4])}, ...); {new_tokens} greedy new tokens each, EOS ignored; "
         f"{lj['engine']}, {lj['dtype']}.")
-    runs = {int(k): v for k, v in lj["runs"].items()}
-    plain = runs[0]
+    runs = lj["runs"]
+    plain = runs["plain"]
+    if lj.get("draft"):
+        say(f"DSpark drafter: {lj['draft']}.")
     say.table("lingjax", "mean accept length (tokens/round)", "min..max over prompts", "lossless (= plain greedy)",
               "TPOT median", "vs plain")
     base = statistics.median(plain["tpot_s"])
-    for s, r in sorted(runs.items()):
+    for label, r in runs.items():
         tp = statistics.median(r["tpot_s"])
         same = sum(t == p for t, p in zip(r["tokens"], plain["tokens"]))
-        if s == 0:
+        if label == "plain":
             say.row("plain greedy", "1", "", "", f"{tp * 1e3:.3f} ms", "1.00x")
         else:
             acc = r["accept"]
-            say.row(f"NEXTN S={s}", f"{statistics.fmean(acc):.2f}", f"{min(acc):.2f}..{max(acc):.2f}",
+            say.row(_name(label), f"{statistics.fmean(acc):.2f}", f"{min(acc):.2f}..{max(acc):.2f}",
                     f"{same}/{len(r['tokens'])}", f"{tp * 1e3:.3f} ms", f"{base / tp:.2f}x")
 
 
 def hf_table(say, lj: dict, hf: dict, new_tokens: int) -> None:
-    runs = {int(k): v for k, v in lj["runs"].items()}
-    plain = runs[0]
+    runs = lj["runs"]
+    plain = runs["plain"]
     base = statistics.median(plain["tpot_s"])
     say()
     say(f"HF: {hf['engine']} on {hf['device']}, {hf['dtype']}, `generate(do_sample=False)`.")
@@ -169,10 +184,10 @@ def hf_table(say, lj: dict, hf: dict, new_tokens: int) -> None:
             "1.0x")
     say.row("lingjax plain greedy", f"{base * 1e3:.3f} ms", f"{statistics.median(plain['ttft_s']) * 1e3:.1f} ms",
             f"{htp / base:.1f}x")
-    best = min((s for s in runs if s), key=lambda s: statistics.median(runs[s]["tpot_s"]), default=None)
+    best = min((s for s in runs if s != "plain"), key=lambda s: statistics.median(runs[s]["tpot_s"]), default=None)
     if best is not None:
         tp = statistics.median(runs[best]["tpot_s"])
-        say.row(f"lingjax NEXTN S={best}", f"{tp * 1e3:.3f} ms",
+        say.row(f"lingjax {_name(best)}", f"{tp * 1e3:.3f} ms",
                 f"{statistics.median(runs[best]['ttft_s']) * 1e3:.1f} ms", f"{htp / tp:.1f}x")
     say()
     say(f"Same greedy tokens: {sum(a == new_tokens for a in agree)}/{len(agree)} prompts identical for all "
@@ -187,7 +202,7 @@ def open_report(path: str | None, prompts: dict, command: str):
 
     say = Report(path)
     dev = jax.devices()[0]
-    say("# The shipped code model: NEXTN acceptance and time per token against HF transformers")
+    say("# The shipped code model: NEXTN and DSpark acceptance, time per token against HF transformers")
     say(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, {dev.device_kind} ({jax.default_backend()}), "
         f"jax {jax.__version__}, Python {prompts['python']}")
     say(f"command: `{command}`")
@@ -204,7 +219,9 @@ def main(argv=None) -> None:
     ap.add_argument("--count", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--steps", default="1,3,5")
+    ap.add_argument("--steps", default="1,3,5", help="NEXTN drafts per round, one run each")
+    ap.add_argument("--draft", help="a DSpark drafter directory (default: the shipped model's own, if any)")
+    ap.add_argument("--dspark-steps", default="", help="DSpark drafts verified per round, one run each (e.g. 4,8)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda", help="torch device for `hf` / `all`")
     ap.add_argument("--out", help="`prompts`/`hf`: the JSON written; `lingjax`/`all`: the markdown report")
@@ -221,7 +238,8 @@ def main(argv=None) -> None:
         print(f"HF TPOT median {statistics.median(result['tpot_s']) * 1e3:.3f} ms", file=sys.stderr)
         return
     steps = [int(s) for s in args.steps.split(",") if s]
-    lj = run_lingjax(prompts, args.checkpoint, args.new_tokens, args.dtype, steps)
+    lj = run_lingjax(prompts, args.checkpoint, args.new_tokens, args.dtype, steps, args.draft,
+                     [int(s) for s in args.dspark_steps.split(",") if s])
     say = open_report(args.out, prompts, command)
     lingjax_table(say, prompts, lj, args.new_tokens)  # written before HF runs: a cut-short call keeps it
     if args.what == "all":

@@ -69,7 +69,7 @@ def report(model, args, warmup_s, results, began, duration) -> None:
     mean_tpot = statistics.fmean(tpots)
     say = Report(args.out)
     heading(say, f"serve_bench: {args.model}, {args.dtype}, kernels={model.kernels}, router {args.router_precision}, "
-                 f"tp={args.tp}, spec={args.spec or 'none'}{f' (S={args.steps})' if args.spec else ''}, "
+                 f"tp={args.tp}, spec={args.spec or 'none'}{f' (S={args.steps or "its block"})' if args.spec else ''}, "
                  f"{args.rounds_per_call} per call")
     say(f"prompt {args.prompt_len} (prefill chunks of {args.prefill_chunk}), output {args.output_len}, concurrency 1, "
         f"greedy, EOS ignored; warm-up request {warmup_s:.1f} s (compilation)")
@@ -88,8 +88,11 @@ def report(model, args, warmup_s, results, began, duration) -> None:
 def main(argv=None):
     ap = parser(__doc__)
     add_options(ap, "model", "dtype", "kernels", "tp", "router_precision", "weights", "out")
-    ap.add_argument("--spec", default=None, choices=[None, "nextn"])
-    ap.add_argument("--steps", type=int, default=3, help="drafts per round with --spec")
+    ap.add_argument("--spec", default=None, choices=[None, "nextn", "dspark"])
+    ap.add_argument("--steps", type=int, default=None, help="drafts per round with --spec (nextn: 3; dspark: the "
+                    "drafter's block)")
+    ap.add_argument("--draft", default="random", help="--spec dspark: the drafter, a directory or 'random' (the "
+                    "released Ling draft's shape, lingjax.spec.dspark.ling_shaped_config, for a preset)")
     ap.add_argument("--rounds-per-call", type=int, default=1,
                     help="speculative rounds (or decode steps without --spec) per device call")
     ap.add_argument("--prompt-len", type=int, default=8192)
@@ -103,8 +106,16 @@ def main(argv=None):
         engine.check_prefill_chunk(args.prefill_chunk)
     except ValueError as e:
         ap.error(f"--prefill-chunk: {e}")
+    if args.spec == "nextn" and args.steps is None:
+        args.steps = 3
     model = lingjax.load(args.model, dtype=args.dtype, kernels=args.kernels, tp=args.tp,
-                         router_precision=args.router_precision, weights=args.weights)
+                         router_precision=args.router_precision, weights=args.weights, draft=None)
+    if args.spec == "dspark":
+        from lingjax.spec import dspark
+
+        draft = (dspark.random_dspark(dspark.ling_shaped_config(model.cfg), args.dtype) if args.draft == "random"
+                 else dspark.load_dspark(args.draft, args.dtype, model.cfg))
+        model = model.with_draft(draft)
     report(model, args, *run_requests(model, args))
 
 

@@ -169,22 +169,23 @@ def time_decode(model, args, prompt, steps: int):
     return name, time_program(f"tp={model.tp} {variant_name(model)}: {name}", steps, args.n, prepare, call, lower)
 
 
-def time_round(model, args, prompt, rounds: int):
+def time_round(model, args, prompt, rounds: int, spec: str = "nextn"):
     """The speculative round program at `rounds` per call -> time_program's result."""
     key = jax.random.key(0)
-    drafter = engine.make_drafter(model, "nextn", args.steps)
+    drafter = engine.make_drafter(model, spec, args.steps if spec == "nextn" else None)
     program = model.spec_program(drafter, SamplingParams(), rounds)
 
     def prepare(n):  # the speculative state after the prompt
         return engine.spec_prefill(model, program, drafter, prompt, 6 * n * rounds, key)[1]
 
     def call(state):
-        return program.round(model.weights, state)
+        return program.round(program.weights, state)
 
     def lower(state):
-        return program.round.lower(model.weights, state).compile().as_text()
+        return program.round.lower(program.weights, state).compile().as_text()
 
-    name = f"spec round S={args.steps}" + (f", {rounds} per call" if rounds > 1 else "")
+    name = (f"spec round S={args.steps}" if spec == "nextn" else f"DSpark round S={drafter.steps}") + (
+        f", {rounds} per call" if rounds > 1 else "")
     return name, time_program(f"tp={model.tp} {variant_name(model)}: {name}", rounds, args.n, prepare, call, lower)
 
 
@@ -200,6 +201,9 @@ def bench_model(model, args, prompt, say):
         rows.append(("round", name, step_s, host_s, kernels))
         if args.profile and rounds == args.rounds_per_call[0]:  # only the first variant's calls are traced
             census = profile_rounds(model, args, launches, hlo, rounds, t_call, say)
+        if model.draft is not None:
+            name, (step_s, host_s, kernels, *_) = time_round(model, args, prompt, rounds, "dspark")
+            rows.append(("dspark", name, step_s, host_s, kernels))
     return rows, census
 
 
@@ -265,7 +269,7 @@ def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
     jax.block_until_ready(base.weights)
     held = sum(w.nbytes for w in base.weights) / tp
     say(f"tp={tp} {weights}: {base.num_params() / 1e9:.2f} B params made on device in {time.perf_counter() - t0:.1f} s "
-        f"({held / 1e9:.1f} GB per device)")
+        f"({held / 1e9:.1f} GB per device, {len(base.weights)} weight arrays: every step program's arguments)")
     if args.capacity:
         say(memory_line(base, args.capacity))
     prompt = np.random.default_rng(0).integers(0, base.cfg.vocab_size, args.prompt_len).astype(np.int32)
@@ -279,13 +283,30 @@ def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
     bytes_of = {"decode": step_bytes(base, distinct_1, 1, 0, args.prompt_len),
                 # a round: S-1 MTP draft forwards + the verify (width S+1) + the draft-extend (one MTP forward)
                 "round": step_bytes(base, distinct_w, width, args.steps, args.prompt_len)}
+    if args.dspark:  # a random drafter of the released Ling draft's shape, verifying its whole block
+        from lingjax.spec import dspark
+
+        draft_cfg = dspark.ling_shaped_config(base.cfg, markov_topk=args.markov_topk)
+        base = base.with_draft(dspark.random_dspark(draft_cfg, "bfloat16"))
+        block = draft_cfg.block_size
+        window = np.random.default_rng(2).integers(0, base.cfg.vocab_size, block + 1).astype(np.int32)
+        distinct_d = distinct_experts(base, prompt, window)
+        item = jnp.dtype(base.dtype).itemsize
+        # the verify of block + 1 rows, the propose (its network, the context cache, the Markov rows) and the
+        # lm_head once more for the block's rows
+        bytes_of["dspark"] = (step_bytes(base, distinct_d, block + 1, 0, args.prompt_len)
+                              + dspark.propose_bytes(draft_cfg, args.prompt_len, item)
+                              + base.cfg.vocab_size * base.cfg.hidden_size * item / tp)
+        say(f"tp={tp}: DSpark drafter (random, the Ling draft's shape): {base.draft.num_params() / 1e9:.2f} B params, "
+            f"markov_topk {draft_cfg.markov_topk}; distinct routed experts per MoE layer at T={block + 1}: mean "
+            f"{np.mean([d for d in distinct_d if d]):.1f}")
     rows, censuses = [], {}
     for model in variants(base, args):
         measured, census = bench_model(model, args, prompt, say)
         for kind, name, t, host, k in measured:
             rows.append((tp, weights, variant_name(model), name, t, host, k, bytes_of[kind]))
-            say(f"tp={tp} {variant_name(model)}: {name}: {t * 1e6:.0f} µs/step, {bytes_of[kind] / 1e6:.0f} MB read "
-                "per device")
+            say(f"tp={tp} {variant_name(model)}: {name}: {t * 1e6:.0f} µs/step, host dispatch {host * 1e6:.0f} "
+                f"µs/step, {k} kernels, {bytes_of[kind] / 1e6:.0f} MB read per device")
         if census is not None:
             censuses[f"tp{tp} {weights} {variant_name(model)}"] = census
         del model
@@ -316,6 +337,11 @@ def parse_args(argv=None):
                     help="speculative rounds (and decode steps) per device call (a lax.scan); per-round figures")
     ap.add_argument("--xla-ops", nargs="*", default=[],
                     help="also time each pallas variant with these ops (lingjax.kernels.OPS) on their XLA reference")
+    ap.add_argument("--dspark", action="store_true",
+                    help="also time a DSpark round: a random drafter of the released Ling draft's shape verifying its "
+                         "block of 8")
+    ap.add_argument("--markov-topk", type=int, default=0,
+                    help="--dspark: the Markov head over the base logits' top k only (0: the whole vocabulary)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--capacity", type=int, default=0,
                     help="also report device memory with a cache of this many positions held (e.g. 9216: 8192 + 1024)")
