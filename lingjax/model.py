@@ -450,6 +450,8 @@ class LingModel(nnx.Module):
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             with jax.named_scope(f"layer{i}_{cfg.layer_types[i]}"):
                 x, layer_cache, staged = layer(cfg, x, layer_cache, positions, n_valid, paths)
+            if i in ex.materialize:
+                x = jax.lax.optimization_barrier(x)
             layers.append(layer_cache)
             staging.append(staged)
             if i in capture:

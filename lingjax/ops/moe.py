@@ -136,4 +136,6 @@ def experts_sorted(x, w_gate, w_up, w_down, weights, experts, limit: float = 0.0
     h = swiglu(g, u, limit).astype(x.dtype)
     y = jax.lax.ragged_dot_general(h, w_down, group_sizes, dn_in, preferred_element_type=F32)  # [T*k, D]
     y = y * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((t, x.shape[1]), F32).at[token_of].add(y)
+    # back to (token, slot) order, then each token's k rows summed in slot order: a scatter-add would sum a token's
+    # rows in whatever order the GPU's atomics land (run-to-run bits)
+    return y[jnp.argsort(order)].reshape(t, k, -1).sum(axis=1)
