@@ -7,11 +7,12 @@ import tempfile
 import zlib
 from pathlib import Path
 
-# Eight fake CPU devices for the tensor-parallel tests, up to TP8 (must be set before jax initialises;
-# xdist workers inherit it from the controller).
-_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
-if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
+# Eight fake CPU devices for the tensor-parallel tests, up to TP8, and XLA:CPU's code generation at -O0: the test
+# programs are small and compiled once each, so LLVM's optimisation costs more than it saves (about 15% of a
+# heavy test's time). Set before jax initialises; xdist workers inherit them from the controller.
+for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
