@@ -56,6 +56,15 @@ def test_command_trains_resumes_and_exports(tmp_path, capsys):
     assert lingjax.generate(model, "def f(x):", 6, spec="dspark").tokens == lingjax.generate(model, "def f(x):", 6).tokens
     code, _, err = _main(["--out", out, "--roots", f"stdlib={roots}", *FLAGS[:-2], "--mask-token-id", "8"], capsys)
     assert code == 2 and "another run" in err and "mask_token_id" in err
+    # a new run starting from the exported drafter (its identity names the drafter), and one of another shape
+    again = ["--out", tmp_path / "again", "--roots", f"stdlib={roots}", *FLAGS, "--init", export]
+    code, stdout, _ = _main(again, capsys)
+    assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["step"] == 3
+    record = json.loads(next((tmp_path / "again" / "checkpoint").glob("*/record.json")).read_text())
+    assert record["run"]["init_sha"] == train_dspark.weights_sha(export)
+    code, _, err = _main(["--out", tmp_path / "other", "--roots", f"stdlib={roots}", *FLAGS, "--init", export,
+                          "--layers", "2"], capsys)
+    assert code == 2 and "another shape" in err
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -3,7 +3,7 @@
 
     python -m lingjax.train.dspark --target TARGET_DIR --out RUN_DIR [--steps N] [--time-limit-s S]
         [--batch B] [--seq-len T] [--anchors A] [--block-size G] [--layers L] [--markov-rank R]
-        [--intermediate I] [--lr LR] [--seed K] [--export DIR] [--roots LABEL=PATH ...]
+        [--intermediate I] [--lr LR] [--seed K] [--init DRAFT_DIR] [--export DIR] [--roots LABEL=PATH ...]
 
 The target is frozen: its training forward (lingjax.train.forward, bf16) gives, for each sequence of a batch,
 the residual streams after the drafter's target layers (its context) and the target's next-token distribution at
@@ -69,6 +69,7 @@ class DraftRunConfig:
     seed: int = 0
     optim: optim.OptimConfig = optim.OptimConfig(lr=1e-3, warmup_steps=100, total_steps=2000, weight_decay=0.01)
     accept_weight: float = ACCEPT_WEIGHT
+    init_sha: str = ""  # the drafter the run starts from (--init: sha256 of its weights); "" for a fresh one
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -103,7 +104,8 @@ def load_target(directory: Path) -> Target:
     return Target(cfg=cfg, params=forward.cast_params(params, cfg, jnp.bfloat16), biases=biases)
 
 
-def target_sha(directory: Path) -> str:
+def weights_sha(directory: Path) -> str:
+    """16 hex digits of sha256 over a checkpoint directory's safetensors files (names and contents)."""
     h = hashlib.sha256()
     for f in sorted(directory.glob("*.safetensors")):
         h.update(f.name.encode())
@@ -145,15 +147,17 @@ def block_terms(graphdef, draft_params, target: Target, batch, anchors, block_cf
     prev, labels = take(batch, rows), take(batch, rows + 1)  # x_{a+j}, x_{a+j+1}
     code = net.markov_code(prev)
     logits = jnp.einsum("bnjd,vd->bnjv", h, head, preferred_element_type=F32) + net.markov_bias(code)
-    t_logits = jnp.einsum("bnjd,vd->bnjv", take(hidden, rows), head, preferred_element_type=F32)
+    # the target's distribution once per position (overlapping blocks share positions), then each row's
+    t_probs = jax.nn.softmax(jnp.einsum("btd,vd->btv", hidden, head, preferred_element_type=F32), -1)
+    p_t = take(t_probs, rows)  # [B, nb, γ, V]
     logp_d = jax.nn.log_softmax(logits, -1)
-    p_d, p_t = jnp.exp(logp_d), jax.nn.softmax(t_logits, -1)
+    p_d = jnp.exp(logp_d)
     l1 = jnp.sum(jnp.abs(p_d - p_t), -1)
     ce = -jnp.take_along_axis(logp_d, labels[..., None], -1)[..., 0]
     conf = net.confidence_logit(h, code)
     c_target = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
     bce = jnp.maximum(conf, 0) - conf * c_target + jnp.log1p(jnp.exp(-jnp.abs(conf)))
-    match = jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)
+    match = jnp.argmax(logits, -1) == jnp.argmax(p_t, -1)
     return {"ce": ce, "l1": l1, "bce": bce, "conf": conf, "match": match}
 
 
@@ -232,6 +236,8 @@ def parse_args(argv):
     p.add_argument("--accept-weight", type=float, default=d.accept_weight)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--init", type=Path, default=None, help="start from this drafter (a DSpark draft checkpoint of "
+                   "the run's shape, e.g. to train the shipped one further on a schedule of its own)")
     p.add_argument("--export", type=Path, default=None, help="write the drafter here at the end of this call "
                    "(default: RUN_DIR/export, at the final step only)")
     p.add_argument("--roots", nargs="+", default=None, metavar="LABEL=PATH")
@@ -254,10 +260,13 @@ def parse_args(argv):
     if a.out.exists() and not a.out.is_dir():
         raise lm_run.RunError(f"--out {a.out} is a file")
     a.roots = lm_run.parse_roots(a.roots) if a.roots is not None else corpus.default_roots()
+    if a.init is not None and not (a.init / "config.json").is_file():
+        raise lm_run.RunError(f"--init {a.init}: no config.json (not a DSpark draft checkpoint)")
     rc = DraftRunConfig(
-        target_sha=target_sha(a.target), block_size=a.block_size, num_layers=a.layers, markov_rank=a.markov_rank,
+        target_sha=weights_sha(a.target), block_size=a.block_size, num_layers=a.layers, markov_rank=a.markov_rank,
         intermediate_size=a.intermediate, mask_token_id=a.mask_token_id, batch=a.batch, seq_len=a.seq_len,
         anchors=a.anchors, seed=a.seed, accept_weight=a.accept_weight,
+        init_sha=weights_sha(a.init) if a.init is not None else "",
         optim=dataclasses.replace(d.optim, lr=a.lr, warmup_steps=a.warmup_steps, total_steps=a.steps))
     return a, rc
 
@@ -311,6 +320,15 @@ def main(argv=None) -> int:
     target = load_target(a.target)
     block_cfg = draft_config(rc, target.cfg)
     graphdef, state = init_state(rc, block_cfg)
+    if a.init is not None:
+        from lingjax.spec.dspark import load_dspark
+
+        start = load_dspark(a.init, "float32", target.cfg)
+        if start.cfg != block_cfg:
+            print(f"{PROG}: error: --init {a.init} is a drafter of another shape ({start.cfg}) than this run's "
+                  f"({block_cfg})", file=sys.stderr)
+            return 2
+        state["params"] = jax.tree.map(lambda p: jnp.asarray(p, F32), nnx.to_pure_dict(start.params))
     record = {"run": {**rc.to_json(), "optim": dataclasses.asdict(rc.optim)}}
     if checkpointing.latest(a.out) is not None:
         try:
