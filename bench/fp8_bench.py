@@ -62,12 +62,12 @@ BITS_CHECKED = ("default", "x row per K step, split")  # their decode rows again
 # the decode's MoE layer: (label, weights, changes to the decode's tiles (one_token_tiles) or None for them)
 MOE_VARIANTS = [
     ("fp8, decode tiles (default)", "fp8", None),
-    ("fp8, previous x read: a row per scale block", "fp8", dict(x_row_min_bytes=256)),
+    ("fp8, previous x read: a row per scale block, 4 warps", "fp8", dict(x_row_min_bytes=256, warps_up=4)),
     ("bf16, decode tiles", "bf16", None),
+    ("fp8, 4 warps up", "fp8", dict(warps_up=4)),
     ("fp8, x row per K step, split", "fp8", dict(x_row_split=True)),
-    ("fp8, 8 warps up", "fp8", dict(warps_up=8)),
-    ("fp8, 8 warps up, K step 512, split", "fp8", dict(warps_up=8, bk_up=512, x_row_split=True)),
-    ("fp8, 8 warps up and down", "fp8", dict(warps_up=8, warps_down=8)),
+    ("fp8, K step 512, split", "fp8", dict(bk_up=512, x_row_split=True)),
+    ("fp8, 8 warps down", "fp8", dict(warps_down=8)),
     ("fp8, up tiles 32 wide", "fp8", dict(bn_up=32)),
     ("fp8, 4 up stages", "fp8", dict(stages_up=4)),
 ]
@@ -234,7 +234,7 @@ def bench_moe(say, cfg, tp, bw, n_layers, reps, smoke, interpret):
               "x floor", "gemv / up / down µs")
     options = compile_options()
     for label, kind, changes in MOE_VARIANTS[:SMOKE_MOE] if smoke else MOE_VARIANTS:
-        tuning = None if changes is None else dataclasses.replace(one_token_tiles(i), **changes)
+        tuning = None if changes is None else dataclasses.replace(one_token_tiles(i, kind == "fp8"), **changes)
         changed = tuning_label({"moe_routed_experts": tuning}, cfg, tp) if tuning else ""
         weights = [(p[kind], x) for p, x in layers]
         try:

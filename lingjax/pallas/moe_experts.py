@@ -72,11 +72,13 @@ class ExpertTuning:
     x_row_split: bool = False
 
 
-def one_token_tiles(i_dim: int) -> ExpertTuning:
+def one_token_tiles(i_dim: int, fp8: bool = False) -> ExpertTuning:
     """The decode's tiles (routed_experts at T = 1) at expert width i_dim: the up kernel steps K by 256 at 3
     stages, where it reads x's one row, in I tiles of i_dim / ONE_TOKEN_I_TILES (at most 64 wide), so that
-    Flash's top 8 and shared expert fill the H200's SMs in one wave at TP 1 and 2."""
-    return dataclasses.replace(ExpertTuning(), bk_up=256, stages_up=3,
+    Flash's top 8 and shared expert fill the H200's SMs in one wave at TP 1 and 2. With fp8 weights the up kernel
+    runs 8 warps: its programs convert every weight element to bf16 before the dot, which 4 warps a program do
+    not keep up with at one program an SM (docs/kernels/moe.md)."""
+    return dataclasses.replace(ExpertTuning(), bk_up=256, stages_up=3, warps_up=8 if fp8 else 4,
                                bn_up=pow2_tile(i_dim, max(16, i_dim // ONE_TOKEN_I_TILES)))
 
 
@@ -140,7 +142,7 @@ def supports_routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, 
     runs the same selection) and the experts' (supports_fused_experts)."""
     del w_up, limit, shared_limit, interpret
     t = x.shape[0] if tokens is None else tokens
-    tuning = _resolve(tuning, t, w_gate.shape[1])
+    tuning = _resolve(tuning, t, w_gate)
     return (moe_router.supports(x, router_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
                                 scaling=scaling, renormalize=renormalize, precision=precision)
             or _experts_supports(x, w_gate, w_down, shared, tuning, routing=t == 1))
@@ -370,11 +372,11 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
                             interpret=interpret)
 
 
-def _resolve(tuning: ExpertTuning | None, t: int, i_dim: int) -> ExpertTuning:
+def _resolve(tuning: ExpertTuning | None, t: int, w_gate) -> ExpertTuning:
     """routed_experts' tiles: those given, else one_token_tiles at T = 1 and the defaults above."""
     if tuning is not None:
         return tuning
-    return one_token_tiles(i_dim) if t == 1 else ExpertTuning()
+    return one_token_tiles(w_gate.shape[1], isinstance(w_gate, Fp8Array)) if t == 1 else ExpertTuning()
 
 
 @functools.partial(
@@ -397,7 +399,7 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
     """
     interpret = resolve_interpret(interpret)
     t = x.shape[0] if tokens is None else tokens
-    tuning = _resolve(tuning, t, w_gate.shape[1])
+    tuning = _resolve(tuning, t, w_gate)
     routing = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, scaling=float(scaling),
                    renormalize=bool(renormalize))
     if t > 1 or n_blocks_for(top_k, tuning.block_m, w_gate.shape[0]) != top_k:
