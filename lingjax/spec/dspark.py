@@ -29,7 +29,7 @@ from flax import nnx
 
 from lingjax.sampling import SamplingParams, processed_logits
 from lingjax.spec.drafters import Proposal, TargetRows
-from lingjax.spec.dspark_model import DSparkConfig, DSparkConfigError, DSparkDraft, abstract_draft  # noqa: F401
+from lingjax.spec.dspark_model import DSparkConfig, DSparkConfigError, DSparkDraft, abstract_draft
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

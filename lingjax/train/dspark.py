@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import sys
 import time
 from pathlib import Path
