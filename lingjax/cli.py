@@ -344,6 +344,15 @@ def cmd_info(args) -> int:
           f"{cfg.n_group} groups keep {cfg.topk_group}")
     print(f"params      {_amount(base, 'B', 'M')} without MTP, {_amount(full, 'B', 'M')} with MTP ({full:,})")
     print(f"bf16 bytes  {_amount(full * 2, 'GB', 'MB')}")
+    if args.model is None and args.checkpoint is None:
+        from lingjax.shipped import default_draft
+        from lingjax.spec.dspark import read_dspark_config
+
+        draft = default_draft()
+        if draft is not None:
+            d = read_dspark_config(draft)
+            print(f"drafter     DSpark ({draft.name}): {d.num_layers} layers, blocks of {d.block_size}, features of "
+                  f"layers {', '.join(map(str, d.target_layer_ids))} (--spec dspark)")
     return 0
 
 

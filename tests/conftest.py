@@ -122,7 +122,7 @@ SLOW = {
     "test_dspark": {
         "test_context_cache_holds_the_targets_features_of_committed_rows", "test_greedy_equals_plain_greedy",
         "test_greedy_then_sampled_then_greedy_is_unpolluted", "test_tensor_parallel_equals_one_device",
-        "test_widths_switching_every_call_stay_lossless"},
+        "test_widths_switching_every_call_stay_lossless", "test_fp8_target_greedy_equals_plain_greedy"},
     "test_train_dspark": {"test_command_trains_resumes_and_exports"},
     "test_spec": {
         "test_bf16_greedy_spec_equals_plain_128_tokens", "test_decode_and_verify_reduce_alike",

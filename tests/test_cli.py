@@ -123,7 +123,7 @@ def test_the_shipped_model_is_the_default(capsys):
     code, out, _ = _run(["generate", "--prompt", "def quicksort(xs):", "--max-new-tokens", "8"], capsys)
     assert code == 0 and out.rstrip("\n") == result.text.rstrip("\n") and result.text.strip()
     code, out, _ = _run(["info"], capsys)
-    assert code == 0 and "layers      8" in out
+    assert code == 0 and "layers      8" in out and "drafter     DSpark (ling-code-tiny-dspark): 4 layers" in out
 
 
 def test_info_flash(capsys):

@@ -328,3 +328,15 @@ def test_tensor_parallel_equals_one_device():
     kwargs = dict(temperature=1.1, top_k=50, seed=3, ignore_eos=True, spec="dspark")
     assert (lingjax.generate(two, prompt, 24, **kwargs).tokens
             == lingjax.generate(_random_model(), prompt, 24, **kwargs).tokens)
+
+
+def test_fp8_target_greedy_equals_plain_greedy():
+    """The target's matrices in fp8 (load(weights="fp8")): the drafter reads its features, embeddings and lm_head
+    alike, and greedy DSpark gives the fp8 model's own plain greedy tokens."""
+    fp8 = lingjax.load("tiny", dtype="float32", seed=3, weights="fp8", draft=None).with_draft(_random_model().draft)
+    assert fp8.fp8
+    prompt = _prompt(9, 9)
+    oracle = _oracle(fp8, prompt + lingjax.generate(fp8, prompt, 24, ignore_eos=True).tokens)
+    plain = lingjax.generate(oracle, prompt, 24, ignore_eos=True).tokens
+    result = lingjax.generate(oracle, prompt, 24, ignore_eos=True, spec="dspark")
+    assert result.tokens == plain and result.mean_accept_len > 2
