@@ -340,3 +340,24 @@ def test_fp8_target_greedy_equals_plain_greedy():
     plain = lingjax.generate(oracle, prompt, 24, ignore_eos=True).tokens
     result = lingjax.generate(oracle, prompt, 24, ignore_eos=True, spec="dspark")
     assert result.tokens == plain and result.mean_accept_len > 2
+
+
+def test_markov_topk_over_the_whole_vocabulary_is_the_exact_head():
+    """markov_topk = V takes every token as a candidate: the same drafts (greedy) and the same distributions
+    (sampled) as the exact head; a small k keeps every draft among the base logits' top k."""
+    net = _random_model().draft.net
+    g, v = BLOCK, _config().vocab_size
+    base = jax.random.normal(key_for("markov-base"), (g, v)) * 3
+    h = jax.random.normal(key_for("markov-h"), (g, _config().hidden_size))
+    first, key = jnp.int32(5), key_for("markov-key")
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, top_k=20)
+    exact, _, conf = dspark.markov_chain(net, base, h, first, key, greedy)
+    wide, _, conf_wide = dspark.markov_chain(net, base, h, first, key, greedy, topk=v)
+    assert np.array_equal(np.asarray(exact), np.asarray(wide)) and np.array_equal(np.asarray(conf), np.asarray(conf_wide))
+    d_exact, q_exact, _ = dspark.markov_chain(net, base, h, first, key, sampled)
+    d_wide, q_wide, _ = dspark.markov_chain(net, base, h, first, key, sampled, topk=v)
+    assert np.array_equal(np.asarray(d_exact), np.asarray(d_wide)) and rel_err(q_wide, q_exact) < 1e-6
+    narrow, q_narrow, _ = dspark.markov_chain(net, base, h, first, key, sampled, topk=4)
+    top4 = np.asarray(jax.lax.top_k(base, 4)[1])
+    assert all(int(d) in top4[k] for k, d in enumerate(np.asarray(narrow)))
+    assert (np.asarray(q_narrow) > 0).sum(-1).max() <= 4 and np.allclose(np.asarray(q_narrow).sum(-1), 1, atol=1e-5)

@@ -125,12 +125,16 @@ def markov_chain(net: DSparkDraft, base, h, first, key, sampling: SamplingParams
         candidates = jax.lax.top_k(base, topk)[1]  # [γ, K]
     for k in range(base.shape[0]):
         code = net.markov_code(prev)
-        if topk:
-            bias = net.markov_bias(code, candidates[k])
-            logits = jnp.full_like(base[k], -jnp.inf).at[candidates[k]].set(base[k][candidates[k]] + bias)
+        conf.append(net.confidence_logit(h[k], code))
+        if topk:  # the candidates' logits [K]; the full vocabulary only for a sample's distribution
+            chosen = base[k][candidates[k]] + net.markov_bias(code, candidates[k])
+            if sampling.greedy:
+                prev = candidates[k][jnp.argmax(chosen)].astype(jnp.int32)
+                drafts.append(prev)
+                continue
+            logits = jnp.full_like(base[k], -jnp.inf).at[candidates[k]].set(chosen)
         else:
             logits = base[k] + net.markov_bias(code)
-        conf.append(net.confidence_logit(h[k], code))
         if sampling.greedy:
             prev = jnp.argmax(logits).astype(jnp.int32)
         else:
