@@ -114,8 +114,8 @@ def draw(key, shape, dtype, how: tuple) -> jax.Array:
     return w.astype(dtype)
 
 
-class _Init:
-    """Random initialisation for presets and tests (real weights come from a checkpoint). Each Param
+class ParamInit:
+    """Random initialisation for presets, tests and fresh drafters (real weights come from a checkpoint). Each Param
     keeps its distribution as metadata (`random`), so lingjax.runtime.random_model can draw the same
     kind of weights leaf by leaf, straight into their shards."""
 
@@ -177,7 +177,7 @@ def quantize_matrices(model: nnx.Module, layout: Fp8Layout) -> None:
 
 
 class KDAAttention(nnx.Module):
-    def __init__(self, cfg: LingConfig, init: _Init):
+    def __init__(self, cfg: LingConfig, init: ParamInit):
         d, p, h = cfg.hidden_size, cfg.kda_dim, cfg.kda_num_heads
         # q, k, v, f (gate input) and g (output gate) projections of x, stacked: one GEMM reads them all
         # (checkpoint q_proj/k_proj/v_proj/f_proj/g_proj; under TP each is split by channel)
@@ -236,7 +236,7 @@ class KDAAttention(nnx.Module):
 
 
 class MLAAttention(nnx.Module):
-    def __init__(self, cfg: LingConfig, init: _Init):
+    def __init__(self, cfg: LingConfig, init: ParamInit):
         d, h = cfg.hidden_size, cfg.num_heads
         self.q_proj = init.matrix(h * cfg.qk_head_dim, d)
         self.kv_a_proj = init.matrix(cfg.mla_cache_dim, d)
@@ -273,7 +273,7 @@ class MLAAttention(nnx.Module):
 
 
 class DenseMLP(nnx.Module):
-    def __init__(self, cfg: LingConfig, init: _Init, width: int, limit: float = 0.0):
+    def __init__(self, cfg: LingConfig, init: ParamInit, width: int, limit: float = 0.0):
         d = cfg.hidden_size
         self.gate_proj, self.up_proj, self.down_proj = init.matrix(width, d), init.matrix(width, d), init.matrix(d, width)
         self.limit = limit
@@ -288,7 +288,7 @@ class DenseMLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: LingConfig, init: _Init, layer_id: int):
+    def __init__(self, cfg: LingConfig, init: ParamInit, layer_id: int):
         d, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.router = init.matrix(e, d)
         self.router_bias = init.param((e,), ("normal", 0.0, 0.1), F32)
@@ -347,7 +347,7 @@ class MoE(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm block: h = x + Attn(norm(x)); y = h + FFN(norm(h))."""
 
-    def __init__(self, cfg: LingConfig, init: _Init, layer_id: int, attn_kind: str, mlp_kind: str):
+    def __init__(self, cfg: LingConfig, init: ParamInit, layer_id: int, attn_kind: str, mlp_kind: str):
         self.input_norm = init.norm(cfg.hidden_size)
         self.post_norm = init.norm(cfg.hidden_size)
         self.attn = KDAAttention(cfg, init) if attn_kind == KDA else MLAAttention(cfg, init)
@@ -364,7 +364,7 @@ class DecoderLayer(nnx.Module):
 class MTPLayer(nnx.Module):
     """NEXTN draft layer (docs/model.md §7): [embed(x_{p+1}); h_p] -> MLA + MoE block -> z_p."""
 
-    def __init__(self, cfg: LingConfig, init: _Init):
+    def __init__(self, cfg: LingConfig, init: ParamInit):
         self.enorm, self.hnorm = init.norm(cfg.hidden_size), init.norm(cfg.hidden_size)
         self.eh_proj = init.matrix(cfg.hidden_size, 2 * cfg.hidden_size)
         self.block = DecoderLayer(cfg, init, cfg.mtp_layer_id, "mla", MOE)
@@ -386,7 +386,7 @@ class LingModel(nnx.Module):
     def __init__(self, cfg: LingConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None,
                  with_mtp: bool | None = None, fp8: Fp8Layout | None = None):
         """fp8: the matrices kept in fp8 on the device (random weights quantized; None: none)."""
-        init = _Init(rngs or nnx.Rngs(0), dtype)
+        init = ParamInit(rngs or nnx.Rngs(0), dtype)
         d = cfg.hidden_size
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)

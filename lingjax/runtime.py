@@ -326,7 +326,7 @@ ONE_PROGRAM_DRAW_BYTES = 2 << 30
 
 def random_model(cfg: LingConfig, dtype, seed: int, mesh=None, fp8: Fp8Layout | None = None) -> LingModel:
     """LingModel with random weights, each leaf with the distribution its constructor records
-    (lingjax.model._Init) and its own stream (the seed and the leaf's index). Small models are drawn on the
+    (lingjax.model.ParamInit) and its own stream (the seed and the leaf's index). Small models are drawn on the
     host and placed; larger ones on the device(s), in one program or leaf by leaf, and with a mesh every
     device draws only its own shards (partitionable threefry), so a model larger than one device, such as
     Flash at TP2, never exists whole anywhere. The weights are a function of (config, dtype, seed): the same

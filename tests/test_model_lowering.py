@@ -21,7 +21,7 @@ from lingjax import engine, kernels, target
 from lingjax.ops import moe as moe_ops
 from lingjax.config import MOE, VERIFY_ROWS, LingConfig, preset
 from lingjax.execution import Exec
-from lingjax.model import MoE, _Init, abstract_model, paths_for
+from lingjax.model import MoE, ParamInit, abstract_model, paths_for
 from lingjax.pallas.grid_dependency import WAIT_ASM
 from lingjax.runtime import Model, RunOptions
 from lingjax.shipped import DEFAULT_CHECKPOINT, DEFAULT_NAME
@@ -105,7 +105,7 @@ def test_moe_decode_and_verify_round_rows_alike(name, caplog):
     there would not be lossless)."""
     cfg = _config(name)
     # abstract weights (Flash's experts are gigabytes): tracing reads only shapes
-    moe = nnx.eval_shape(lambda: MoE(cfg, _Init(nnx.Rngs(0), jnp.bfloat16), layer_id=cfg.mlp_types.index(MOE)))
+    moe = nnx.eval_shape(lambda: MoE(cfg, ParamInit(nnx.Rngs(0), jnp.bfloat16), layer_id=cfg.mlp_types.index(MOE)))
     graphdef, weights = nnx.split(moe)
     x = jax.ShapeDtypeStruct((VERIFY_ROWS, cfg.hidden_size), jnp.bfloat16)
     ex = Exec(kernels="pallas")
@@ -129,7 +129,7 @@ def test_moe_decode_and_verify_round_rows_alike(name, caplog):
 def test_expert_fallback_computes_the_real_rows():
     """experts_all_rows (the GPU's fallback) gives the reference's result on the real rows."""
     cfg = _config(DEFAULT_NAME)
-    moe = MoE(cfg, _Init(nnx.Rngs(2), jnp.float32), layer_id=cfg.mlp_types.index(MOE))
+    moe = MoE(cfg, ParamInit(nnx.Rngs(2), jnp.float32), layer_id=cfg.mlp_types.index(MOE))
     x = jax.random.normal(jax.random.key(3), (VERIFY_ROWS, cfg.hidden_size), jnp.float32)
     w = (moe.w_gate[...], moe.w_up[...], moe.w_down[...])
     weights, chosen = moe_ops.route(x, moe.router[...], moe.router_bias[...], **moe.routing(cfg, paths_for(3)))

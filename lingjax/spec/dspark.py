@@ -17,6 +17,7 @@ and `lingjax.generate(..., spec="dspark")` uses it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -28,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from lingjax.sampling import SamplingParams, processed_logits
+from lingjax.sharding import path_keys
 from lingjax.spec.drafters import Proposal, TargetRows
 from lingjax.spec.dspark_model import DSparkConfig, DSparkConfigError, DSparkDraft, abstract_draft
 
@@ -217,10 +219,6 @@ def tensor_names(cfg: DSparkConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
     return table
 
 
-def _path_keys(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-
-
 def save_dspark(draft: DSpark, out_dir: str | Path) -> Path:
     """Write config.json and model.safetensors (the name table's names; dtype as held)."""
     from safetensors.numpy import save_file
@@ -230,7 +228,7 @@ def save_dspark(draft: DSpark, out_dir: str | Path) -> Path:
     by_path = {path: name for name, (path, _) in tensor_names(draft.cfg).items()}
     tensors = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(draft.params)):
-        tensors[by_path[_path_keys(path)]] = np.asarray(jax.device_get(leaf))
+        tensors[by_path[path_keys(path)]] = np.asarray(jax.device_get(leaf))
     (out / CONFIG_FILE).write_text(json.dumps({**draft.cfg.to_hf(), "torch_dtype": draft.dtype}, indent=2) + "\n")
     save_file(tensors, str(out / WEIGHTS_FILE))
     return out
@@ -262,40 +260,36 @@ def load_dspark(directory: str | Path, dtype: str = "bfloat16", target_cfg=None)
     if not files:
         raise CheckpointError(f"{directory}: no .safetensors file")
     table = tensor_names(cfg)
-    where: dict[str, Path] = {}
-    stored: dict[str, str] = {}  # name without a leading "model." -> the name in its file
-    for f in files:
-        with safe_open(str(f), framework="numpy") as handle:
+    with contextlib.ExitStack() as stack:  # each file opened once: headers checked first, then the data read
+        handles = {f: stack.enter_context(safe_open(str(f), framework="flax")) for f in files}
+        where: dict[str, Path] = {}
+        stored: dict[str, str] = {}  # name without a leading "model." -> the name in its file
+        for f, handle in handles.items():
             for key in handle.keys():
                 name = key.removeprefix("model.")
                 if name in where:
                     raise CheckpointError(f"{name}: in both {where[name].name} and {f.name}")
                 where[name], stored[name] = f, key
-    extra = sorted(set(where) - set(table))
-    # the shared embeddings and head may be stored with the draft: the target's are used
-    extra = [n for n in extra if n not in ("embed_tokens.weight", "lm_head.weight")]
-    if extra:
-        raise CheckpointError(f"{extra[0]} ({where[extra[0]].name}): not a tensor of this DSpark config")
-    missing = sorted(set(table) - set(where))
-    if missing:
-        raise CheckpointError(f"{missing[0]}: missing from {directory}")
-    net = abstract_draft(cfg, DTYPES[dtype])
-    graphdef, state = nnx.split(net)
-    values = {}
-    for name, (path, shape) in table.items():
-        with safe_open(str(where[name]), framework="numpy") as handle:
-            sl = handle.get_slice(stored[name])
+        # the shared embeddings and head may be stored with the draft: the target's are used
+        extra = sorted(set(where) - set(table) - {"embed_tokens.weight", "lm_head.weight"})
+        if extra:
+            raise CheckpointError(f"{extra[0]} ({where[extra[0]].name}): not a tensor of this DSpark config")
+        missing = sorted(set(table) - set(where))
+        if missing:
+            raise CheckpointError(f"{missing[0]}: missing from {directory}")
+        for name, (_, shape) in table.items():
+            sl = handles[where[name]].get_slice(stored[name])
             if tuple(sl.get_shape()) != shape or sl.get_dtype() not in ("F32", "BF16"):
                 raise CheckpointError(f"{name} ({where[name].name}): {sl.get_dtype()} {sl.get_shape()}, expected "
                                       f"F32 or BF16 {list(shape)}")
-        values[path] = name
-    leaves = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state)):
-        name = values[_path_keys(path)]
-        with safe_open(str(where[name]), framework="flax") as handle:
-            leaves.append(jnp.asarray(handle.get_tensor(stored[name]), leaf.dtype))
-    pure = jax.tree.unflatten(jax.tree.structure(nnx.to_pure_dict(state)), leaves)
-    nnx.replace_by_pure_dict(state, pure)
+        graphdef, state = nnx.split(abstract_draft(cfg, DTYPES[dtype]))
+        name_of = {path: name for name, (path, _) in table.items()}
+        pure = nnx.to_pure_dict(state)
+        leaves = []
+        for path, leaf in jax.tree_util.tree_leaves_with_path(pure):
+            name = name_of[path_keys(path)]
+            leaves.append(jnp.asarray(handles[where[name]].get_tensor(stored[name]), leaf.dtype))
+    nnx.replace_by_pure_dict(state, jax.tree.unflatten(jax.tree.structure(pure), leaves))
     return DSpark(nnx.merge(graphdef, state), source=str(directory))
 
 

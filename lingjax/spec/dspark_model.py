@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lingjax.model import ParamInit
 from lingjax.ops.linear import linear
 from lingjax.ops.norms import rms_norm
 from lingjax.ops.rope import rope_half
@@ -170,21 +171,6 @@ class DSparkConfig:
 
 
 # ---- the network ------------------------------------------------------------------------------------
-class _Init:
-    def __init__(self, rngs: nnx.Rngs, dtype):
-        self.rngs, self.dtype = rngs, dtype
-
-    def normal(self, shape, std, mean=0.0, dtype=None):
-        w = mean + std * jax.random.normal(self.rngs.params(), shape, F32)
-        return nnx.Param(w.astype(dtype or self.dtype))
-
-    def matrix(self, *shape):  # [out, in], std 1/sqrt(in)
-        return self.normal(shape, shape[-1] ** -0.5)
-
-    def norm(self, n):
-        return self.normal((n,), 0.1, mean=1.0)
-
-
 def block_attention(q, k, v, k_ctx, v_ctx, ctx_mask) -> jax.Array:
     """Each block row attends to the visible context rows and to every row of its own block.
 
@@ -207,7 +193,7 @@ def block_attention(q, k, v, k_ctx, v_ctx, ctx_mask) -> jax.Array:
 class DraftLayer(nnx.Module):
     """A pre-norm decoder layer whose attention also reads the context's keys and values."""
 
-    def __init__(self, cfg: DSparkConfig, init: _Init):
+    def __init__(self, cfg: DSparkConfig, init: ParamInit):
         d, h, g, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.input_norm = init.norm(d)
         self.q_proj, self.k_proj, self.v_proj = init.matrix(h * hd, d), init.matrix(g * hd, d), init.matrix(g * hd, d)
@@ -241,7 +227,7 @@ class DSparkDraft(nnx.Module):
     """The drafter's own weights; embeddings and lm_head are the target's (passed in by the callers)."""
 
     def __init__(self, cfg: DSparkConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
-        init = _Init(rngs or nnx.Rngs(0), dtype)
+        init = ParamInit(rngs or nnx.Rngs(0), dtype)
         d, r, v = cfg.hidden_size, cfg.markov_rank, cfg.vocab_size
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
@@ -249,9 +235,9 @@ class DSparkDraft(nnx.Module):
         self.hidden_norm = init.norm(d)
         self.layers = nnx.List(DraftLayer(cfg, init) for _ in range(cfg.num_layers))
         self.norm = init.norm(d)
-        self.markov_w1 = init.normal((v, r), 1.0)  # W1 [V, r]: the previous token's code
-        self.markov_w2 = init.normal((v, r), r**-0.5 * 0.1)  # W2ᵀ [V, r]: the code's bias on every next token
-        self.confidence_w = init.normal((1, d + r), (d + r) ** -0.5, dtype=F32)
+        self.markov_w1 = init.param((v, r), ("normal", 0.0, 1.0))  # W1 [V, r]: the previous token's code
+        self.markov_w2 = init.param((v, r), ("normal", 0.0, r**-0.5 * 0.1))  # W2ᵀ [V, r]: the code's bias on the next
+        self.confidence_w = init.matrix(1, d + r, dtype=F32)
         self.confidence_b = nnx.Param(jnp.zeros((1,), F32))
 
     # ---- the context ----------------------------------------------------------------------------
