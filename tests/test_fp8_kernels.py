@@ -293,18 +293,23 @@ def test_flash_fp8_calls_are_supported_and_lower_for_an_h200(tp, monkeypatch):
                         lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
     for label, check, kernel, args, kw in _flash_fp8_calls(tp):
         assert check(*args, **kw) is None, (label, check(*args, **kw))
-        shared = kw.get("shared")
-        static = {key: v for key, v in kw.items() if key != "shared"}
-        arrays = [j for j, a in enumerate(args) if not isinstance(a, float)]
+        _lower_for_cuda(kernel, args, kw)
 
-        def fn(*a, args=args, static=static, arrays=arrays, kernel=kernel, shared=shared):
-            full = list(args)
-            for j, v in zip(arrays, a):
-                full[j] = v
-            extra = {} if shared is None else dict(shared=a[len(arrays):])
-            return kernel(*full, **static, **extra, interpret=False)
 
-        jax.jit(fn).trace(*(args[j] for j in arrays), *(shared or ())).lower(lowering_platforms=("cuda",))
+def _lower_for_cuda(kernel, args, kw) -> None:
+    """kernel(*args, **kw) (abstract arrays; floats stay static, `shared` a tuple of arrays) lowered for CUDA."""
+    shared = kw.get("shared")
+    static = {key: v for key, v in kw.items() if key != "shared"}
+    arrays = [j for j, a in enumerate(args) if not isinstance(a, float)]
+
+    def fn(*a):
+        full = list(args)
+        for j, v in zip(arrays, a):
+            full[j] = v
+        extra = {} if shared is None else dict(shared=a[len(arrays):])
+        return kernel(*full, **static, **extra, interpret=False)
+
+    jax.jit(fn).trace(*(args[j] for j in arrays), *(shared or ())).lower(lowering_platforms=("cuda",))
 
 
 DECODE_VARIANTS = [  # the decode's (T = 1) other ways of reading x, at Flash's TP1 shapes
@@ -334,14 +339,4 @@ def test_flash_fp8_decode_row_reads_lower_for_an_h200(op, tuning, monkeypatch):
         check, kernel, args, kw = calls["routed_experts T=1"]
     kw = dict(kw, tuning=tuning)
     assert check(*args, **kw) is None
-    shared = kw.pop("shared", None)
-    arrays = [j for j, a in enumerate(args) if not isinstance(a, float)]
-
-    def fn(*a):
-        full = list(args)
-        for j, v in zip(arrays, a):
-            full[j] = v
-        extra = {} if shared is None else dict(shared=a[len(arrays):])
-        return kernel(*full, **kw, **extra, interpret=False)
-
-    jax.jit(fn).trace(*(args[j] for j in arrays), *(shared or ())).lower(lowering_platforms=("cuda",))
+    _lower_for_cuda(kernel, args, kw)
