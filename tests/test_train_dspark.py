@@ -56,10 +56,13 @@ def test_command_trains_resumes_and_exports(tmp_path, capsys):
     assert lingjax.generate(model, "def f(x):", 6, spec="dspark").tokens == lingjax.generate(model, "def f(x):", 6).tokens
     code, _, err = _main(["--out", out, "--roots", f"stdlib={roots}", *FLAGS[:-2], "--mask-token-id", "8"], capsys)
     assert code == 2 and "another run" in err and "mask_token_id" in err
-    # a new run starting from the exported drafter (its identity names the drafter), and one of another shape
-    again = ["--out", tmp_path / "again", "--roots", f"stdlib={roots}", *FLAGS, "--init", export]
+    # a new run starting from the exported drafter with longer blocks (its identity names the drafter), and one of
+    # another shape
+    again = ["--out", tmp_path / "again", "--roots", f"stdlib={roots}", *FLAGS, "--init", export, "--block-size", "6",
+             "--export", tmp_path / "draft6"]
     code, stdout, _ = _main(again, capsys)
     assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["step"] == 3
+    assert lingjax.load(draft=tmp_path / "draft6").draft.cfg.block_size == 6
     record = json.loads(next((tmp_path / "again" / "checkpoint").glob("*/record.json")).read_text())
     assert record["run"]["init_sha"] == train_dspark.weights_sha(export)
     code, _, err = _main(["--out", tmp_path / "other", "--roots", f"stdlib={roots}", *FLAGS, "--init", export,
@@ -71,9 +74,18 @@ def test_command_trains_resumes_and_exports(tmp_path, capsys):
     (["--steps", "0"], "--steps must be >= 1"),
     (["--anchors", "40", "--seq-len", "32"], "does not fit"),
     (["--lr", "-1"], "--lr must be > 0"),
+    (["--block-size", "16"], "give --block-size <= 15"),
     (["--target", "no/such/dir"], "needs config.json"),
     (["--roots", "nolabel"], "LABEL=PATH"),
 ])
 def test_bad_options_are_one_line(argv, says, tmp_path, capsys):
     code, out, err = _main(["--out", tmp_path / "run", *argv], capsys)
     assert code == 2 and out == "" and err.startswith("lingjax.train.dspark: error: ") and says in err
+
+
+def test_a_corpus_without_held_out_source_is_one_line(tmp_path, capsys):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py", root / "textwrap.py")
+    code, _, err = _main(["--out", tmp_path / "run", "--roots", f"stdlib={root}", *FLAGS], capsys)
+    assert code == 2 and "the held-out stream holds 0 tokens" in err and "json" in err

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lingjax.config import VERIFY_ROWS
 from lingjax.train import checkpointing, corpus, data, forward, optim
 from lingjax.train import run as lm_run
 
@@ -236,7 +237,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--init", type=Path, default=None, help="start from this drafter (a DSpark draft checkpoint of "
-                   "the run's shape, e.g. to train the shipped one further on a schedule of its own)")
+                   "the run's shape, its block size aside: no weight depends on it), e.g. to train the shipped one "
+                   "further, or for longer blocks")
     p.add_argument("--export", type=Path, default=None, help="write the drafter here at the end of this call "
                    "(default: RUN_DIR/export, at the final step only)")
     p.add_argument("--roots", nargs="+", default=None, metavar="LABEL=PATH")
@@ -245,6 +247,9 @@ def parse_args(argv):
                  "log_every"):
         if getattr(a, name) < 1:
             raise lm_run.RunError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.block_size + 1 > VERIFY_ROWS:
+        raise lm_run.RunError(f"--block-size {a.block_size}: the engine verifies at most {VERIFY_ROWS} rows (the "
+                              f"anchor and {VERIFY_ROWS - 1} drafts); give --block-size <= {VERIFY_ROWS - 1}")
     if a.anchors > a.seq_len - a.block_size + 1:
         raise lm_run.RunError(f"--anchors {a.anchors} does not fit a sequence of {a.seq_len} with blocks of "
                               f"{a.block_size}")
@@ -323,7 +328,7 @@ def main(argv=None) -> int:
         from lingjax.spec.dspark import load_dspark
 
         start = load_dspark(a.init, "float32", target.cfg)
-        if start.cfg != block_cfg:
+        if dataclasses.replace(start.cfg, block_size=block_cfg.block_size) != block_cfg:
             print(f"{PROG}: error: --init {a.init} is a drafter of another shape ({start.cfg}) than this run's "
                   f"({block_cfg})", file=sys.stderr)
             return 2
@@ -337,6 +342,12 @@ def main(argv=None) -> int:
             return 2
         state = {**restored, "step": jnp.int32(at)}
     train_tokens, held_tokens = streams(a, rep)
+    for name, tokens in (("train", train_tokens), ("held-out", held_tokens)):
+        if tokens.size < rc.seq_len + 1:
+            print(f"{PROG}: error: the {name} stream holds {tokens.size} tokens, under one window of "
+                  f"{rc.seq_len + 1}: give --roots with more source (held out: the stdlib packages "
+                  f"{', '.join(corpus.HELD_OUT_PACKAGES)})", file=sys.stderr)
+            return 2
     batches = data.PackedBatches(train_tokens, rc.batch, rc.seq_len - 1, rc.seed)  # [B, seq_len + 1] windows
     step_fn, eval_fn = programs(rc, block_cfg, graphdef)
     held = data.PackedBatches(held_tokens, rc.batch, rc.seq_len - 1, rc.seed + 1).batch(0)
