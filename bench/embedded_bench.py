@@ -111,9 +111,10 @@ def run_hf(prompts: dict, checkpoint: Path, new_tokens: int, device: str, dtype:
 
 # ---- lingjax --------------------------------------------------------------------------------------------
 def run_lingjax(prompts: dict, checkpoint: Path, new_tokens: int, dtype: str, steps: list[int],
-                draft: str | None = None, dspark_steps: list[int] = ()) -> dict:
+                draft: str | None = None, dspark_steps: list[int] = (), markov_topk: list[int] = ()) -> dict:
     """Plain greedy, NEXTN at each of `steps`, then DSpark (the drafter `draft`, or the checkpoint's own with the
-    shipped model) verifying each of `dspark_steps` drafts of its block, in one process."""
+    shipped model) verifying each of `dspark_steps` drafts of its block, in one process; with `markov_topk`, DSpark
+    once more for each k, the drafter drafting from each row's k best base logits."""
     import lingjax
 
     model = lingjax.load(checkpoint, dtype=dtype, draft=draft or "auto") if draft or checkpoint != DEFAULT_CHECKPOINT \
@@ -124,9 +125,12 @@ def run_lingjax(prompts: dict, checkpoint: Path, new_tokens: int, dtype: str, st
     if dspark_steps and model.draft is None:
         raise SystemExit("--dspark-steps needs a drafter: --draft DIR (the shipped model has its own)")
     configs += [(f"dspark:{s}", {"spec": "dspark", "steps": s}) for s in dspark_steps]
+    configs += [(f"dspark:{s}:{k}", {"spec": "dspark", "steps": s}) for k in markov_topk for s in dspark_steps]
     for label, kw in configs:
-        lingjax.generate(model, prompts["ids"][0], new_tokens, ignore_eos=True, **kw)  # warm-up (compiles)
-        runs = [lingjax.generate(model, ids, new_tokens, ignore_eos=True, **kw) for ids in prompts["ids"]]
+        topk = label.split(":")[2:]
+        run_model = model.with_draft(model.draft.with_markov_topk(int(topk[0]))) if topk else model
+        lingjax.generate(run_model, prompts["ids"][0], new_tokens, ignore_eos=True, **kw)  # warm-up (compiles)
+        runs = [lingjax.generate(run_model, ids, new_tokens, ignore_eos=True, **kw) for ids in prompts["ids"]]
         out["runs"][label] = {
             "tokens": [r.tokens for r in runs], "tpot_s": [r.tpot_mean_s for r in runs],
             "ttft_s": [r.ttft_s for r in runs], "accept": [r.mean_accept_len for r in runs] if kw else None,
@@ -135,8 +139,11 @@ def run_lingjax(prompts: dict, checkpoint: Path, new_tokens: int, dtype: str, st
 
 
 def _name(label: str) -> str:
-    kind, _, s = label.partition(":")
-    return "plain greedy" if kind == "plain" else f"{'NEXTN' if kind == 'nextn' else 'DSpark'} S={s}"
+    kind, *rest = label.split(":")
+    if kind == "plain":
+        return "plain greedy"
+    topk = f", Markov head over the top {rest[1]}" if len(rest) > 1 else ""
+    return f"{'NEXTN' if kind == 'nextn' else 'DSpark'} S={rest[0]}{topk}"
 
 
 # ---- report -----------------------------------------------------------------------------------------------
@@ -222,6 +229,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", default="1,3,5", help="NEXTN drafts per round, one run each")
     ap.add_argument("--draft", help="a DSpark drafter directory (default: the shipped model's own, if any)")
     ap.add_argument("--dspark-steps", default="", help="DSpark drafts verified per round, one run each (e.g. 4,8)")
+    ap.add_argument("--markov-topk", default="", help="DSpark again with the Markov head over each row's k best "
+                    "base logits, one run per k and --dspark-steps (e.g. 16,64)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda", help="torch device for `hf` / `all`")
     ap.add_argument("--out", help="`prompts`/`hf`: the JSON written; `lingjax`/`all`: the markdown report")
@@ -239,7 +248,8 @@ def main(argv=None) -> None:
         return
     steps = [int(s) for s in args.steps.split(",") if s]
     lj = run_lingjax(prompts, args.checkpoint, args.new_tokens, args.dtype, steps, args.draft,
-                     [int(s) for s in args.dspark_steps.split(",") if s])
+                     [int(s) for s in args.dspark_steps.split(",") if s],
+                     [int(k) for k in args.markov_topk.split(",") if k])
     say = open_report(args.out, prompts, command)
     lingjax_table(say, prompts, lj, args.new_tokens)  # written before HF runs: a cut-short call keeps it
     if args.what == "all":

@@ -189,27 +189,31 @@ def time_round(model, args, prompt, rounds: int, spec: str = "nextn"):
     return name, time_program(f"tp={model.tp} {variant_name(model)}: {name}", rounds, args.n, prepare, call, lower)
 
 
-def bench_model(model, args, prompt, say):
-    """Decode-step and speculative-round timings of one model variant, per --rounds-per-call -> (rows of (kind,
-    name, s/step, host s/step, kernels), the spec round's census or None)."""
-    rows, census = [], None
-    for steps in args.rounds_per_call:
-        name, (step_s, host_s, kernels, *_) = time_decode(model, args, prompt, steps)
-        rows.append(("decode", name, step_s, host_s, kernels))
+def bench_model(model, args, prompt, say, measured):
+    """Decode-step and speculative-round timings of one model variant, per --rounds-per-call and --programs, each
+    handed to measured(kind, name, s/step, host s/step, kernels) as soon as it is timed (a run cut short keeps
+    them) -> the censuses of the traced rounds by round kind."""
+    censuses = {}
+    if "decode" in args.programs:
+        for steps in args.rounds_per_call:
+            name, (step_s, host_s, kernels, *_) = time_decode(model, args, prompt, steps)
+            measured("decode", name, step_s, host_s, kernels)
+    specs = [p for p in ("nextn", "dspark") if p in args.programs and (p == "nextn" or model.draft is not None)]
     for rounds in args.rounds_per_call:
-        name, (step_s, host_s, kernels, hlo, launches, t_call) = time_round(model, args, prompt, rounds)
-        rows.append(("round", name, step_s, host_s, kernels))
-        if args.profile and rounds == args.rounds_per_call[0]:  # only the first variant's calls are traced
-            census = profile_rounds(model, args, launches, hlo, rounds, t_call, say)
-        if model.draft is not None:
-            name, (step_s, host_s, kernels, *_) = time_round(model, args, prompt, rounds, "dspark")
-            rows.append(("dspark", name, step_s, host_s, kernels))
-    return rows, census
+        for spec in specs:
+            name, (step_s, host_s, kernels, hlo, launches, t_call) = time_round(model, args, prompt, rounds, spec)
+            measured("round" if spec == "nextn" else spec, name, step_s, host_s, kernels)
+            if args.profile and rounds == args.rounds_per_call[0]:  # only the first variant's calls are traced
+                census = profile_rounds(model, args, launches, hlo, rounds, t_call, say, spec)
+                if census is not None:
+                    censuses[spec] = census
+    return censuses
 
 
-def profile_rounds(model, args, launches, round_hlo, rounds, t_call, say):
+def profile_rounds(model, args, launches, round_hlo, rounds, t_call, say, spec: str = "nextn"):
     """Trace --profile-steps calls, save the trace and HLO in --profile -> the GPU-time census per round or None."""
-    tag = f"{args.model}_tp{model.tp}_{variant_name(model).replace('+', '_').replace(' ', '_')}"
+    tag = (f"{Path(args.model).name}_tp{model.tp}_{variant_name(model).replace('+', '_').replace(' ', '_')}"
+           f"{'_dspark' if spec == 'dspark' else ''}")
     if rounds > 1 and model.tp == 1:
         say(f"warning: tracing {rounds} rounds per call on one GPU: the loop is one CUDA graph and the profiler "
             "misses most kernels inside it (census 'idle' then means unseen); list --rounds-per-call 1 first")
@@ -286,8 +290,14 @@ def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
     if args.dspark:  # a random drafter of the released Ling draft's shape, verifying its whole block
         from lingjax.spec import dspark
 
-        draft_cfg = dspark.ling_shaped_config(base.cfg, markov_topk=args.markov_topk)
-        base = base.with_draft(dspark.random_dspark(draft_cfg, "bfloat16"))
+        base = base.with_draft(dspark.random_dspark(dspark.ling_shaped_config(base.cfg, markov_topk=args.markov_topk),
+                                                    "bfloat16"))
+    if base.draft is not None:  # --dspark's, or a checkpoint's own (the shipped model's)
+        from lingjax.spec import dspark
+
+        if args.markov_topk:
+            base = base.with_draft(base.draft.with_markov_topk(args.markov_topk))
+        draft_cfg = base.draft.cfg
         block = draft_cfg.block_size
         window = np.random.default_rng(2).integers(0, base.cfg.vocab_size, block + 1).astype(np.int32)
         distinct_d = distinct_experts(base, prompt, window)
@@ -297,18 +307,20 @@ def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
         bytes_of["dspark"] = (step_bytes(base, distinct_d, block + 1, 0, args.prompt_len)
                               + dspark.propose_bytes(draft_cfg, args.prompt_len, item)
                               + base.cfg.vocab_size * base.cfg.hidden_size * item / tp)
-        say(f"tp={tp}: DSpark drafter (random, the Ling draft's shape): {base.draft.num_params() / 1e9:.2f} B params, "
-            f"markov_topk {draft_cfg.markov_topk}; distinct routed experts per MoE layer at T={block + 1}: mean "
-            f"{np.mean([d for d in distinct_d if d]):.1f}")
+        say(f"tp={tp}: DSpark drafter ({base.draft.source}): {base.draft.num_params() / 1e9:.3f} B params, "
+            f"block {block}, markov_topk {draft_cfg.markov_topk}; distinct routed experts per MoE layer at "
+            f"T={block + 1}: mean {np.mean([d for d in distinct_d if d]):.1f}")
     rows, censuses = [], {}
     for model in variants(base, args):
-        measured, census = bench_model(model, args, prompt, say)
-        for kind, name, t, host, k in measured:
+        def measured(kind, name, t, host, k, model=model):
             rows.append((tp, weights, variant_name(model), name, t, host, k, bytes_of[kind]))
             say(f"tp={tp} {variant_name(model)}: {name}: {t * 1e6:.0f} µs/step, host dispatch {host * 1e6:.0f} "
-                f"µs/step, {k} kernels, {bytes_of[kind] / 1e6:.0f} MB read per device")
-        if census is not None:
-            censuses[f"tp{tp} {weights} {variant_name(model)}"] = census
+                f"µs/step, {k} kernels, {bytes_of[kind] / 1e6:.0f} MB read per device, floor at the start's "
+                f"bandwidth {bytes_of[kind] / args.bandwidth * 1e6:.0f} µs")
+
+        model_censuses = bench_model(model, args, prompt, say, measured)
+        for spec, census in model_censuses.items():
+            censuses[f"tp{tp} {weights} {variant_name(model)}{' DSpark' if spec == 'dspark' else ''}"] = census
         del model
     del base
     gc.collect()
@@ -339,9 +351,11 @@ def parse_args(argv=None):
                     help="also time each pallas variant with these ops (lingjax.kernels.OPS) on their XLA reference")
     ap.add_argument("--dspark", action="store_true",
                     help="also time a DSpark round: a random drafter of the released Ling draft's shape verifying its "
-                         "block of 8")
+                         "block of 8 (a checkpoint with a drafter of its own, the shipped model's, times that one)")
     ap.add_argument("--markov-topk", type=int, default=0,
-                    help="--dspark: the Markov head over the base logits' top k only (0: the whole vocabulary)")
+                    help="the DSpark round's Markov head over the base logits' top k only (0: the drafter's own setting)")
+    ap.add_argument("--programs", nargs="+", choices=("decode", "nextn", "dspark"), default=["decode", "nextn", "dspark"],
+                    help="which programs to time (dspark: when the model has a drafter)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--capacity", type=int, default=0,
                     help="also report device memory with a cache of this many positions held (e.g. 9216: 8192 + 1024)")
@@ -367,6 +381,7 @@ def main(argv=None):
     heading(say, f"step_bench: {args.model}, bf16 activations, weights {' '.join(args.weights)}, S={args.steps}, "
                  f"router {args.router_precision}, tp {args.tp}")
     say(f"read bandwidth per device at the start {bw_start / 1e12:.2f} TB/s")
+    args.bandwidth = bw_start
     rows, censuses = [], {}
     for tp in args.tp:
         for weights in args.weights:
@@ -380,7 +395,7 @@ def main(argv=None):
     report_table(rows, bw, say)
     if censuses:
         say()
-        say(f"GPU-time census of the spec round (device 0, {args.profile_steps} traced rounds; raw traces and HLO "
+        say(f"GPU-time census of the speculative rounds (device 0, {args.profile_steps} traced rounds; raw traces and HLO "
             f"in {args.profile}):")
         say()
         say(profiling.format_census(censuses))

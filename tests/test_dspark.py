@@ -361,3 +361,26 @@ def test_markov_topk_over_the_whole_vocabulary_is_the_exact_head():
     top4 = np.asarray(jax.lax.top_k(base, 4)[1])
     assert all(int(d) in top4[k] for k, d in enumerate(np.asarray(narrow)))
     assert (np.asarray(q_narrow) > 0).sum(-1).max() <= 4 and np.allclose(np.asarray(q_narrow).sum(-1), 1, atol=1e-5)
+
+
+@pytest.mark.parametrize("topk", [1, 5, dspark.TABLE_CANDIDATES])
+def test_greedy_topk_table_follows_the_sequential_chain(topk):
+    """Greedy drafts over the top k from the tabulated chain are the sequential argmax chain's: the two agree up
+    to the first row whose choice is a tie within rounding (after it the chains legitimately part)."""
+    net = _random_model().draft.net
+    g, v = BLOCK, _config().vocab_size
+    base = jax.random.normal(key_for("table-base"), (g, v)) * 3
+    first = jnp.int32(11)
+    table = np.asarray(dspark.greedy_topk_chain(net, base, first, topk))
+    chain, _ = dspark._sequential_chain(net, base, first, key_for("table-key"), SamplingParams(), topk)
+    chain = np.asarray(chain)
+    assert table.shape == chain.shape == (g,) and table.dtype == chain.dtype == np.int32
+    top = np.asarray(jax.lax.top_k(base, topk)[1])
+    assert all(int(d) in top[k] for k, d in enumerate(table))
+    differ = np.flatnonzero(table != chain)
+    if differ.size:  # a tie: both choices score the same, in f64, after the shared previous token
+        k = int(differ[0])
+        prev = int(first) if k == 0 else int(chain[k - 1])
+        w1, w2 = (np.asarray(x, np.float64) for x in (net.markov_w1[...], net.markov_w2[...]))
+        score = lambda t: float(np.asarray(base, np.float64)[k, t] + w1[prev] @ w2[t])  # noqa: E731
+        assert abs(score(table[k]) - score(chain[k])) <= 1e-4 * max(1.0, abs(score(chain[k])))

@@ -37,3 +37,16 @@ def test_shipped_mtp_drafts_are_accepted_and_lossless():
     spec = lingjax.generate(model, prompt, 48, ignore_eos=True, spec="nextn", steps=3)
     assert spec.tokens == plain.tokens
     assert spec.mean_accept_len > 1.8, spec.accept_lens
+
+
+def test_shipped_dspark_drafts_are_accepted_and_lossless():
+    """Greedy DSpark with the shipped drafter (load's draft="auto", the shipped model named by its path) on the same
+    prompt: its blocks are mostly right (a random drafter accepts about 1.0 tokens a round), and the tokens are
+    plain greedy's."""
+    model = lingjax.load(DEFAULT_CHECKPOINT, dtype="float32")
+    assert model.draft is not None and model.draft.cfg.block_size == 15
+    prompt = "import json\n\n\ndef load_config(path):\n    with open(path) as f:\n"
+    plain = lingjax.generate(model, prompt, 48, ignore_eos=True)
+    spec = lingjax.generate(model, prompt, 48, ignore_eos=True, spec="dspark")
+    assert spec.tokens == plain.tokens
+    assert spec.mean_accept_len > 2.0, spec.accept_lens

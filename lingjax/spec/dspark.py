@@ -31,7 +31,7 @@ from flax import nnx
 from lingjax.sampling import SamplingParams, processed_logits
 from lingjax.sharding import path_keys
 from lingjax.spec.drafters import Proposal, TargetRows
-from lingjax.spec.dspark_model import DSparkConfig, DSparkConfigError, DSparkDraft, abstract_draft
+from lingjax.spec.dspark_model import F32, DSparkConfig, DSparkConfigError, DSparkDraft, abstract_draft
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -120,14 +120,46 @@ def markov_chain(net: DSparkDraft, base, h, first, key, sampling: SamplingParams
     """The Markov head and the confidence head, left to right over a block: base [γ, V] f32 (U_k), h [γ, D]
     (the block's final hidden rows), first: x_0 (the anchor); topk > 0: each draft from the topk best base logits
     alone (DSparkConfig.markov_topk). -> (drafts [γ] int32, the distributions they were drawn from [γ, V] f32 or
-    None when greedy, confidence logits [γ] f32)."""
-    prev, drafts, probs, conf = first, [], [], []
+    None when greedy, confidence logits [γ] f32). Only the drafts are sequential: the confidences, which need
+    x_{k-1} alone, are one batched product after them."""
+    if sampling.greedy and 0 < topk <= TABLE_CANDIDATES:
+        drafts, probs = greedy_topk_chain(net, base, first, topk), None
+    else:
+        drafts, probs = _sequential_chain(net, base, first, key, sampling, topk)
+    prev = jnp.concatenate([jnp.reshape(first, (1,)).astype(jnp.int32), drafts[:-1]])
+    return drafts, probs, net.confidence_logit(h, net.markov_code(prev))
+
+
+# greedy with at most this many candidates a row: the chain's choices tabulated in parallel (γ·K² scores)
+TABLE_CANDIDATES = 64
+
+
+def greedy_topk_chain(net: DSparkDraft, base, first, topk: int):
+    """Greedy drafts over each row's topk best base logits, the sequential argmax chain replaced by a table:
+    best[k, i] = the candidate of row k that follows candidate i of row k-1 (one batched product of every pair's
+    Markov term), then γ - 1 lookups. The same drafts as the sequential chain (up to the rounding of ties), in a
+    few kernels instead of several per row. base [γ, V] f32, first: x_0 -> drafts [γ] int32."""
+    gamma = base.shape[0]
+    candidates = jax.lax.top_k(base, topk)[1]  # [γ, K]
+    cand_base = jnp.take_along_axis(base, candidates, 1)  # [γ, K]
+    w2 = net.markov_w2[...][candidates]  # [γ, K, r]: W2's rows of the candidates
+    first_scores = cand_base[0] + jnp.einsum("r,kr->k", net.markov_code(first), w2[0], preferred_element_type=F32)
+    pair = jnp.einsum("kir,kjr->kij", net.markov_code(candidates[:-1]), w2[1:], preferred_element_type=F32)
+    best = jnp.argmax(cand_base[1:, None, :] + pair, -1).astype(jnp.int32)  # [γ-1, K]
+    picks = [jnp.argmax(first_scores).astype(jnp.int32)]
+    for k in range(gamma - 1):
+        picks.append(best[k, picks[-1]])
+    return candidates[jnp.arange(gamma), jnp.stack(picks)].astype(jnp.int32)
+
+
+def _sequential_chain(net: DSparkDraft, base, first, key, sampling: SamplingParams, topk: int):
+    """markov_chain's drafts one row after another -> (drafts [γ] int32, distributions [γ, V] or None)."""
+    prev, drafts, probs = first, [], []
     keys = jax.random.split(key, base.shape[0])
     if topk:
         candidates = jax.lax.top_k(base, topk)[1]  # [γ, K]
     for k in range(base.shape[0]):
         code = net.markov_code(prev)
-        conf.append(net.confidence_logit(h[k], code))
         if topk:  # the candidates' logits [K]; the full vocabulary only for a sample's distribution
             chosen = base[k][candidates[k]] + net.markov_bias(code, candidates[k])
             if sampling.greedy:
@@ -144,7 +176,7 @@ def markov_chain(net: DSparkDraft, base, h, first, key, sampling: SamplingParams
             prev = jax.random.categorical(keys[k], processed).astype(jnp.int32)
             probs.append(jax.nn.softmax(processed))
         drafts.append(prev)
-    return jnp.stack(drafts), (jnp.stack(probs) if probs else None), jnp.stack(conf)
+    return jnp.stack(drafts).astype(jnp.int32), (jnp.stack(probs) if probs else None)
 
 
 # ---- a loaded drafter -------------------------------------------------------------------------------
@@ -160,6 +192,12 @@ class DSpark:
     @property
     def net(self) -> DSparkDraft:
         return nnx.merge(_graphdef(self.cfg, self.dtype), self.params)
+
+    def with_markov_topk(self, topk: int) -> DSpark:
+        """The same drafter (its weights shared) drafting from each row's `topk` best base logits (0: all)."""
+        other = DSpark.__new__(DSpark)
+        other.__dict__.update(self.__dict__, cfg=dataclasses.replace(self.cfg, markov_topk=topk))
+        return other
 
     def drafter(self, steps: int = 0, min_survival: float = 1e-6) -> DSparkDrafter:
         return DSparkDrafter(self.cfg, self.dtype, steps, min_survival)
