@@ -68,8 +68,8 @@ def report(model, args, warmup_s, results, began, duration) -> None:
     accept = sum(sum(r.accept_lens) for _, r in results) / rounds if rounds else 1.0
     mean_tpot = statistics.fmean(tpots)
     say = Report(args.out)
-    heading(say, f"serve_bench: {args.model}, {args.dtype}, weights {args.weights}, kernels={model.kernels}, router {args.router_precision}, "
-                 f"tp={args.tp}, spec={args.spec or 'none'}{f' (S={args.steps or "its block"})' if args.spec else ''}, "
+    heading(say, f"serve_bench: {args.model}, {args.dtype}, weights {args.weights}, kernels={model.kernels}, "
+                 f"router {args.router_precision}, tp={args.tp}, spec={args.spec or 'none'}{f' (S={args.steps or "its block"})' if args.spec else ''}, "
                  f"{args.rounds_per_call} per call")
     say(f"prompt {args.prompt_len} (prefill chunks of {args.prefill_chunk}), output {args.output_len}, concurrency 1, "
         f"greedy, EOS ignored; warm-up request {warmup_s:.1f} s (compilation)")

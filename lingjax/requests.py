@@ -49,6 +49,17 @@ def check_stop_ids(ids: Sequence[int], vocab_size: int) -> set[int]:
     return {int(i) for i in ids}
 
 
+def check_widths(widths, draft_block: int) -> tuple[int, ...]:
+    """DSpark verify widths to choose from each round: integers in [2, the drafter's block size + 1], at most the
+    kernels' VERIFY_ROWS -> sorted, distinct."""
+    top = min(draft_block + 1, VERIFY_ROWS)
+    bad = [w for w in widths if isinstance(w, bool) or not isinstance(w, numbers.Integral) or not 2 <= w <= top]
+    if not widths or bad:
+        raise ValueError(f"widths must lie in [2, {top}] (verify widths: the drafter's block size + 1), got "
+                         f"{list(widths)}")
+    return tuple(sorted({int(w) for w in widths}))
+
+
 def check_generation(cfg: LingConfig, *, prompt_len: int, max_new_tokens: int, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, spec: str | None = None, steps: int | None = None,
                      rounds_per_call: int = 1, has_mtp: bool | None = None, draft_block: int | None = None) -> int:
@@ -67,7 +78,8 @@ def check_generation(cfg: LingConfig, *, prompt_len: int, max_new_tokens: int, t
                          f"model's maximum length of {cfg.max_position_embeddings} tokens")
     if spec is None:
         if steps is not None:
-            raise ValueError("steps (drafts per speculative round) has no effect without spec; add spec='nextn' or 'dspark'")
+            raise ValueError("steps (drafts per speculative round) has no effect without spec; add spec='nextn' or "
+                             "'dspark'")
         return 0
     if spec not in SPEC_METHODS:
         raise ValueError(f"spec must be one of {SPEC_METHODS} or None, got {spec!r}")

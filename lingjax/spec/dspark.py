@@ -18,6 +18,7 @@ and `lingjax.generate(..., spec="dspark")` uses it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -31,7 +32,7 @@ from flax import nnx
 from lingjax.sampling import SamplingParams, processed_logits
 from lingjax.sharding import path_keys
 from lingjax.spec.drafters import Proposal, TargetRows
-from lingjax.spec.dspark_model import F32, DSparkConfig, DSparkConfigError, DSparkDraft, abstract_draft
+from lingjax.spec.dspark_model import DSparkConfig, DSparkConfigError, DSparkDraft, abstract_draft
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -92,7 +93,10 @@ class DSparkDrafter:
     def _write_context(self, params, state: DSparkState, rows: TargetRows) -> DSparkState:
         positions = rows.start + jnp.arange(rows.features.shape[0], dtype=jnp.int32)
         k, v = self._net(params).context_kv(rows.features, positions)
-        put = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), rows.start, 1)  # noqa: E731
+
+        def put(cache, new):
+            return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), rows.start, 1)
+
         return DSparkState(k=put(state.k, k), v=put(state.v, v))
 
     def prefill(self, module, params, state, rows: TargetRows, next_token, ex):
@@ -142,9 +146,9 @@ def greedy_topk_chain(net: DSparkDraft, base, first, topk: int):
     gamma = base.shape[0]
     candidates = jax.lax.top_k(base, topk)[1]  # [γ, K]
     cand_base = jnp.take_along_axis(base, candidates, 1)  # [γ, K]
-    w2 = net.markov_w2[...][candidates]  # [γ, K, r]: W2's rows of the candidates
-    first_scores = cand_base[0] + jnp.einsum("r,kr->k", net.markov_code(first), w2[0], preferred_element_type=F32)
-    pair = jnp.einsum("kir,kjr->kij", net.markov_code(candidates[:-1]), w2[1:], preferred_element_type=F32)
+    first_scores = cand_base[0] + net.markov_bias(net.markov_code(first), candidates[0])
+    # [γ-1, K, K]: candidate i of row k-1 (its code) against candidate j of row k
+    pair = net.markov_bias(net.markov_code(candidates[:-1]), candidates[1:, None, :])
     best = jnp.argmax(cand_base[1:, None, :] + pair, -1).astype(jnp.int32)  # [γ-1, K]
     picks = [jnp.argmax(first_scores).astype(jnp.int32)]
     for k in range(gamma - 1):
@@ -195,8 +199,8 @@ class DSpark:
 
     def with_markov_topk(self, topk: int) -> DSpark:
         """The same drafter (its weights shared) drafting from each row's `topk` best base logits (0: all)."""
-        other = DSpark.__new__(DSpark)
-        other.__dict__.update(self.__dict__, cfg=dataclasses.replace(self.cfg, markov_topk=topk))
+        other = copy.copy(self)
+        other.cfg = dataclasses.replace(self.cfg, markov_topk=topk)
         return other
 
     def drafter(self, steps: int = 0, min_survival: float = 1e-6) -> DSparkDrafter:

@@ -267,8 +267,8 @@ class DSparkDraft(nnx.Module):
         return self.markov_w1[...][prev_tokens]
 
     def markov_bias(self, code, rows=None) -> jax.Array:
-        """code [..., r] -> the Markov term of the logits, f32 [..., V]; with rows [..., K] (token ids) the term of
-        those tokens alone, [..., K], reading only their rows of W2."""
+        """code [..., r] -> the Markov term of the logits, f32 [..., V]; with rows [..., K] (token ids; the leading
+        dims broadcast against code's) the term of those tokens alone, [..., K], reading only their rows of W2."""
         if rows is None:
             return jnp.einsum("...r,vr->...v", code, self.markov_w2[...], preferred_element_type=F32)
         return jnp.einsum("...r,...kr->...k", code, self.markov_w2[...][rows], preferred_element_type=F32)
