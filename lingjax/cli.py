@@ -147,12 +147,13 @@ def _generation_kwargs(args) -> dict:
                 spec=args.spec, steps=args.steps, rounds_per_call=args.rounds_per_call, widths=args.widths)
 
 
-def _draft(args, cfg):
-    """(load's draft argument, the drafter's block size or None), read without a weight."""
+def _draft(args, cfg, name: str):
+    """(load's draft argument, the drafter's block size or None) for the source `name`, read without a weight."""
+    from lingjax.shipped import is_default_checkpoint
     from lingjax.spec.dspark import default_config, read_dspark_config
     from lingjax.spec.dspark_model import DSparkConfigError
 
-    shipped = args.model is None and args.checkpoint is None
+    shipped = is_default_checkpoint(name)
     choice = args.draft if args.draft is not None else ("auto" if shipped else None)
     if choice in (None, "none"):
         return None, None
@@ -174,21 +175,22 @@ def _draft(args, cfg):
 
 def _check_request(cfg, prompt_len: int, args, name: str) -> None:
     from lingjax import requests
-    from lingjax.config import VERIFY_ROWS
 
     for flag, value in (("--draft", args.draft), ("--widths", args.widths)):
         if value is not None and args.spec != "dspark":
             raise UsageError(f"{flag} has no effect without --spec dspark")
     if args.widths is not None and args.steps is not None:
         raise UsageError("give --steps (a fixed verify width) or --widths (chosen each round), not both")
-    args.draft_source, block = _draft(args, cfg) if args.spec == "dspark" else (None, None)
+    args.draft_source, block = _draft(args, cfg, name) if args.spec == "dspark" else (None, None)
     requests.check_generation(cfg, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, spec=args.spec,
                               steps=args.steps, rounds_per_call=args.rounds_per_call,
                               has_mtp=cfg.num_nextn_predict_layers > 0, draft_block=block)
-    if args.widths is not None and not all(2 <= w <= min(block + 1, VERIFY_ROWS) for w in args.widths):
-        raise UsageError(f"--widths must lie in [2, {min(block + 1, VERIFY_ROWS)}] (the drafter's block size + 1), "
-                         f"got {args.widths}")
+    if args.widths is not None:
+        try:
+            requests.check_widths(args.widths, block)
+        except ValueError as e:
+            raise UsageError(f"--{e}") from None
     requests.check_stop_ids(args.stop_ids, cfg.vocab_size)
     _check_devices(cfg, args, name)
 
@@ -333,8 +335,10 @@ def _amount(n: int, giga: str, mega: str) -> str:
 
 def cmd_info(args) -> int:
     from lingjax.model import abstract_model, param_count
+    from lingjax.shipped import default_draft, is_default_checkpoint
+    from lingjax.spec.dspark import read_dspark_config
 
-    cfg = _source(args)[0]
+    cfg, _, name, _ = _source(args)
     base = param_count(abstract_model(cfg, with_mtp=False))
     full = param_count(abstract_model(cfg, with_mtp=True))
     kinds = "".join("M" if t == "mla" else "k" for t in cfg.layer_types)
@@ -344,15 +348,11 @@ def cmd_info(args) -> int:
           f"{cfg.n_group} groups keep {cfg.topk_group}")
     print(f"params      {_amount(base, 'B', 'M')} without MTP, {_amount(full, 'B', 'M')} with MTP ({full:,})")
     print(f"bf16 bytes  {_amount(full * 2, 'GB', 'MB')}")
-    if args.model is None and args.checkpoint is None:
-        from lingjax.shipped import default_draft
-        from lingjax.spec.dspark import read_dspark_config
-
-        draft = default_draft()
-        if draft is not None:
-            d = read_dspark_config(draft)
-            print(f"drafter     DSpark ({draft.name}): {d.num_layers} layers, blocks of {d.block_size}, features of "
-                  f"layers {', '.join(map(str, d.target_layer_ids))} (--spec dspark)")
+    draft = default_draft() if is_default_checkpoint(name) else None
+    if draft is not None:
+        d = read_dspark_config(draft)
+        print(f"drafter     DSpark ({draft.name}): {d.num_layers} layers, blocks of {d.block_size}, features of "
+              f"layers {', '.join(map(str, d.target_layer_ids))} (--spec dspark)")
     return 0
 
 

@@ -333,12 +333,7 @@ def make_schedule(model: Model, widths: Sequence[int]):
     block = _draft_block(model)
     if block is None:
         raise ValueError("widths need a DSpark drafter beside the model: lingjax.load(..., draft=DIR)")
-    bad = [w for w in widths if isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= min(block + 1,
-                                                                                                    VERIFY_ROWS)]
-    if not widths or bad:
-        raise ValueError(f"verify widths must be integers in [2, {min(block + 1, VERIFY_ROWS)}] (the drafter's "
-                         f"block size + 1), got {list(widths)}")
-    return WidthSchedule.for_model(model.cfg, widths)
+    return WidthSchedule.for_model(model.cfg, requests.check_widths(widths, block))
 
 
 def make_drafter(model: Model, spec: str, steps: int | None):

@@ -33,7 +33,7 @@ from lingjax.quantization import Fp8Layout
 from lingjax.sampling import SamplingParams, sample
 from lingjax.memory import check_fits
 from lingjax.requests import check_prompt_ids
-from lingjax.shipped import DEFAULT_CHECKPOINT, default_checkpoint, default_draft
+from lingjax.shipped import default_checkpoint, default_draft, is_default_checkpoint
 from lingjax.tokenizer import Tokenizer
 
 log = logging.getLogger("lingjax")
@@ -469,16 +469,17 @@ def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kern
     the source's own. weights: "auto" keeps what a checkpoint stores in fp8 in fp8 on the device (docs/fp8.md),
     "fp8" quantizes every other matrix too (a preset's random weights, a bf16 checkpoint as it loads), "dense"
     holds everything in `dtype`. draft: the DSpark drafter for spec="dspark" (Model.draft): "auto" (the shipped
-    model's own drafter with the shipped model, by default or by its path; none otherwise), a draft checkpoint directory, "random" (a random
-    drafter shaped for the model, lingjax.spec.dspark.default_config: for timing rounds), or None. Every argument is
-    checked, and the model's size against the free device memory, before any weight is drawn or read."""
+    model's own drafter with the shipped model, loaded by default or by its path; none otherwise), a draft
+    checkpoint directory, "random" (a random drafter shaped for the model, lingjax.spec.dspark.default_config: for
+    timing rounds), or None. Every argument is checked, and the model's size against the free device memory,
+    before any weight is drawn or read."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     options = RunOptions(kernels=kernels, router_precision=router_precision)
     jdtype = DTYPES[dtype]
     if path_or_preset is None:
         path_or_preset = default_checkpoint()
-    shipped = Path(path_or_preset).resolve() == DEFAULT_CHECKPOINT.resolve()
+    shipped = is_default_checkpoint(path_or_preset)
     source = str(path_or_preset)
     cfg, directory = resolve(source)
     mesh = sharding.mesh_for(cfg, tp)  # every parameter goes straight into its shards

@@ -18,6 +18,12 @@ def default_checkpoint() -> Path:
                                 "a clone of the repository): name one with --model or --checkpoint")
     return DEFAULT_CHECKPOINT
 
+
+def is_default_checkpoint(path) -> bool:
+    """Whether `path` names the shipped checkpoint's directory, however it is spelled (its drafter goes with it)."""
+    return Path(path).resolve() == DEFAULT_CHECKPOINT.resolve()
+
+
 DRAFT_NAME = "ling-code-tiny-dspark"
 DEFAULT_DRAFT = DEFAULT_CHECKPOINT.parent / DRAFT_NAME
 

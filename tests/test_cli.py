@@ -124,6 +124,8 @@ def test_the_shipped_model_is_the_default(capsys):
     assert code == 0 and out.rstrip("\n") == result.text.rstrip("\n") and result.text.strip()
     code, out, _ = _run(["info"], capsys)
     assert code == 0 and "layers      8" in out and "drafter     DSpark (ling-code-tiny-dspark): 4 layers" in out
+    code, named, _ = _run(["info", "--checkpoint", str(DEFAULT_CHECKPOINT)], capsys)  # named by its path: the same
+    assert code == 0 and named == out
 
 
 def test_info_flash(capsys):
