@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import datetime
 import inspect
+import os
 import re
 import statistics
 import sys
@@ -62,6 +63,7 @@ def heading(say: Report, title: str) -> None:
     say(f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, {dev.device_kind} "
         f"x{len(jax.devices())} ({jax.default_backend()}), jax {jax.__version__}")
     say(f"command: `python {' '.join(sys.argv)}`")
+    say(CACHE_NOTE)
 
 
 def progress(text: str) -> None:
@@ -363,9 +365,45 @@ def add_options(ap: argparse.ArgumentParser, *names: str, many: tuple[str, ...] 
     return ap
 
 
+# What the run's compilation cache is, for heading(): set when the command line is parsed (cache_from_args).
+CACHE_NOTE = "compilation cache: as the environment sets it"
+
+
+def cache_from_args(warm) -> str:
+    """Benches start from an empty compilation cache, as a new user's first process does (jax keeps XLA's per-fusion
+    autotuning results beside its compiled programs, so a warm cache can hide what a cold machine pays:
+    docs/measuring.md). warm: None (no persistent cache, whatever JAX_COMPILATION_CACHE_DIR says), True (lingjax's
+    cache directory) or a directory -> the note heading() prints."""
+    global CACHE_NOTE
+    from lingjax import compilation_cache
+
+    if warm is None:
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+        jax.config.update("jax_compilation_cache_dir", None)
+        CACHE_NOTE = "compilation cache: none (every program compiled, and autotuned, in this process)"
+    else:
+        path = compilation_cache.enable(None if warm is True else warm)
+        CACHE_NOTE = (f"compilation cache: {path} (--warm-cache: programs and XLA's autotuning of earlier processes "
+                      "are reused)")
+    return CACHE_NOTE
+
+
+class _BenchParser(argparse.ArgumentParser):
+    """Every bench's parser: --warm-cache, applied as the command line is parsed."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        cache_from_args(parsed.warm_cache)
+        return parsed
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
-    """An ArgumentParser whose --help prints the script's docstring as written."""
-    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """An ArgumentParser whose --help prints the script's docstring as written, with --warm-cache."""
+    ap = _BenchParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--warm-cache", nargs="?", const=True, default=None, metavar="DIR",
+                    help="use the persistent compilation cache (lingjax's directory, or DIR): programs and XLA's "
+                         "autotuning results of earlier processes are reused; default: none, as on a new machine")
+    return ap
 
 
 def config_of(model: str) -> LingConfig:

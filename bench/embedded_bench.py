@@ -234,6 +234,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda", help="torch device for `hf` / `all`")
     ap.add_argument("--out", help="`prompts`/`hf`: the JSON written; `lingjax`/`all`: the markdown report")
+    ap.add_argument("--warm-cache", nargs="?", const=True, default=None, metavar="DIR",
+                    help="lingjax: use the persistent compilation cache (bench/common.py cache_from_args); default none")
     args = ap.parse_args(argv)
     command = "python bench/embedded_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else make_prompts(
@@ -246,11 +248,16 @@ def main(argv=None) -> None:
         Path(args.out).write_text(json.dumps(result))
         print(f"HF TPOT median {statistics.median(result['tpot_s']) * 1e3:.3f} ms", file=sys.stderr)
         return
+    from common import cache_from_args  # imports jax: not for `hf`
+
+    cache_note = cache_from_args(args.warm_cache)
     steps = [int(s) for s in args.steps.split(",") if s]
     lj = run_lingjax(prompts, args.checkpoint, args.new_tokens, args.dtype, steps, args.draft,
                      [int(s) for s in args.dspark_steps.split(",") if s],
                      [int(k) for k in args.markov_topk.split(",") if k])
     say = open_report(args.out, prompts, command)
+    say(cache_note)
+    say()
     lingjax_table(say, prompts, lj, args.new_tokens)  # written before HF runs: a cut-short call keeps it
     if args.what == "all":
         hf = run_hf(prompts, args.checkpoint, args.new_tokens, args.device, args.dtype)

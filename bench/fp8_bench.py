@@ -13,7 +13,7 @@ floor and against bf16 weights in the same process, each at several tunings.
     profiled times, the error against the reference on the weights dequantized to f32, and whether the decode's row
     is bit-equal to the same token's row in a verify (T = 6: route, then fused_experts at the default tiles: row
     invariance). And the error fp8 adds against the bf16 weights.
-(2) Projections (every matrix a Flash decode reads through lingjax.pallas.fp8_linear, at --tp's per-device shape
+(2) Projections (every matrix a Flash decode reads through lingjax.pallas.linear, at --tp's per-device shape
     and device blocks; a shape met twice is timed once): random bf16 weights (normal, std 1/sqrt(in)), quantized as
     lingjax does (lingjax.model.quantizer_block, scales cut for the TP size); x [16, K] bf16 normal. Error: the fp8
     kernel's output against the same op on the bf16 weights, max |Δ| / max |y|. Timing: each variant reads --copies
@@ -41,22 +41,23 @@ from lingjax.ops import fp8 as fp8_ops
 from lingjax.ops import moe as moe_ops
 from lingjax.ops.linear import linear
 from lingjax.pallas import moe_experts
-from lingjax.pallas.fp8_linear import Fp8LinearTuning, fp8_linear, plan, supports
+from lingjax.pallas.linear import LinearTuning, plan, supports
+from lingjax.pallas.linear import linear as pallas_linear
 from lingjax.pallas.moe_experts import one_token_tiles
 from lingjax.runtime import step_compiler_options
 from moe_bench import loop_over_layers
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 EXACT_TOL = 1e-4  # a kernel against x · (q·s)ᵀ in f32: reassociation only
-# the decode's fp8_linear tunings; the first is the default
+# the decode's Pallas linear tunings on fp8 weights; the first is the default
 LINEAR_VARIANTS = [
-    ("default", Fp8LinearTuning()),
-    ("previous x read: a row per scale block", Fp8LinearTuning(x_row_min_bytes=256)),
-    ("x row per K step, split", Fp8LinearTuning(x_row_split=True)),
-    ("8 warps", Fp8LinearTuning(warps=8)),
-    ("3 stages, split", Fp8LinearTuning(stages=3, x_row_split=True)),
-    ("N tile 64, split", Fp8LinearTuning(bn=64, x_row_split=True)),
-    ("5 K splits, split", Fp8LinearTuning(k_splits=5, x_row_split=True)),  # K steps of 256 where K = 2560
+    ("default", LinearTuning()),
+    ("previous x read: a row per scale block", LinearTuning(x_row_min_bytes=256)),
+    ("x row per K step, split", LinearTuning(x_row_split=True)),
+    ("8 warps", LinearTuning(warps=8)),
+    ("3 stages, split", LinearTuning(stages=3, x_row_split=True)),
+    ("N tile 64, split", LinearTuning(bn=64, x_row_split=True)),
+    ("5 K splits, split", LinearTuning(k_splits=5, x_row_split=True)),  # K steps of 256 where K = 2560
 ]
 BITS_CHECKED = ("default", "x row per K step, split")  # their decode rows against their verify rows
 # the decode's MoE layer: (label, weights, changes to the decode's tiles (one_token_tiles) or None for them)
@@ -88,7 +89,7 @@ def quantized(w, path, layout):
 
 
 def projections(cfg, tp):
-    """(label, parameter path, per-device [N, K]) of the projections a Flash decode reads through fp8_linear."""
+    """(label, parameter path, per-device [N, K]) of the projections a Flash decode reads through the Pallas linear."""
     d, p, nh = cfg.hidden_size, cfg.kda_dim, cfg.num_heads
     return [
         ("KDA in_proj (q|k|v|f|g)", ("layers", 2, "attn", "in_proj"), (5 * p // tp, d)),
@@ -118,7 +119,7 @@ def bits_equal(a, b) -> bool:
 
 def bench_projections(say, cfg, tp, bw, copies, reps, interpret):
     layout = fp8_layout(cfg, tp)
-    say(f"\n## (2) projections at TP{tp}: fp8_linear against bf16 weights, {copies} cold copies per program")
+    say(f"\n## (2) projections at TP{tp}: the Pallas linear on fp8 weights against XLA on bf16 ones, {copies} cold copies per program")
     say("error vs bf16: the kernel's output against the op on the unquantized bf16 weights; vs exact: each variant "
         f"against x · (q·s)ᵀ in f32 (FAIL above {EXACT_TOL:g}; a decode's row 0); bits: the decode's row 0 against "
         "the same tuning's verify row 0 (row invariance); launch: N tile / K splits / K step / partial-sum width / "
@@ -137,11 +138,11 @@ def bench_projections(say, cfg, tp, bw, copies, reps, interpret):
         dense = [(jax.random.normal(jax.random.fold_in(kw, c), (n, k), F32) * k**-0.5).astype(BF16)
                  for c in range(copies)]
         q = [quantized(w, path, layout) for w in dense]
-        err = rel(fp8_linear(x, q[0], F32, interpret=interpret), linear(x, dense[0], F32))
+        err = rel(pallas_linear(x, q[0], F32, interpret=interpret), linear(x, dense[0], F32))
         floor = (n * k + q[0].scale.size * 4 + x.size * 2) / bw
         exact = jnp.einsum("rk,nk->rn", x.astype(F32), q[0].dequantize(F32), precision="highest")
         variants = [(f"decode: {name}", tuning, 1) for name, tuning in LINEAR_VARIANTS]
-        variants.append(("verify (16 rows): default", Fp8LinearTuning(), None))
+        variants.append(("verify (16 rows): default", LinearTuning(), None))
         first = True
         for name, tuning, tokens in variants + [("XLA bf16 weights (peer)", None, None)]:
             lead = (label, f"[{n}, {k}]", str(q[0].block), f"{err:.2e}") if first else ("", "", "", "")
@@ -151,12 +152,12 @@ def bench_projections(say, cfg, tp, bw, copies, reps, interpret):
                 peer_floor = (n * k * 2 + x.size * 2) / bw
                 say.row(*lead, name, "", "-", "-", f"{t * 1e6:.2f}", f"{peer_floor * 1e6:.2f}", f"{t / peer_floor:.2f}")
                 continue
-            fn = lambda x, w, tuning=tuning, tokens=tokens: fp8_linear(x, w, F32, tokens=tokens, tuning=tuning,
+            fn = lambda x, w, tuning=tuning, tokens=tokens: pallas_linear(x, w, F32, tokens=tokens, tuning=tuning,
                                                                       interpret=interpret)
             if reason := supports(x, q[0], F32, tokens=tokens, tuning=tuning):
                 say.row(*lead, name, "", f"unsupported: {reason}", "", "", "", "")
                 continue
-            launch = "/".join(str(v) for v in plan(x.dtype, n, k, q[0].block, tokens, tuning).values())
+            launch = "/".join(str(v) for v in plan(x.dtype, q[0], tokens, tuning).values())
             try:
                 program = over_copies(fn)
                 out = program(x, q)[1]
@@ -169,7 +170,7 @@ def bench_projections(say, cfg, tp, bw, copies, reps, interpret):
             e = rel(out[:rows], exact[:rows])
             bits = "-"
             if tokens == 1 and name.removeprefix("decode: ") in BITS_CHECKED:
-                verify = jax.jit(lambda x, w, tuning=tuning: fp8_linear(x, w, F32, tuning=tuning,
+                verify = jax.jit(lambda x, w, tuning=tuning: pallas_linear(x, w, F32, tuning=tuning,
                                                                           interpret=interpret))(x, q[0])
                 bits = "equal" if bits_equal(out[:1], verify[:1]) else "DIFFER"
             say.row(*lead, name, launch, f"{e:.1e}" + ("" if e < EXACT_TOL else " FAIL"), bits, f"{t * 1e6:.2f}",

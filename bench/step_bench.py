@@ -7,6 +7,7 @@
     python bench/step_bench.py --model flash --tp 2 --kernels pallas --kernel-option kda_chain:block_v=16
     python bench/step_bench.py --model mid --kernels pallas --weights dense fp8   # bf16 against fp8 weights
     python bench/step_bench.py --smoke        # the tiny preset, a small probe, few steps: a CPU check
+    python bench/step_bench.py --model mid --kernels pallas --baseline df9e41e   # the regression guard
 
 For each TP size (random weights made shard by shard on the devices, the same weights at every size), kernel
 set and graph mode (--graphs whole puts the all-reduces inside the CUDA graphs: lingjax.runtime.CompileOptions):
@@ -17,7 +18,7 @@ fail and every round commits one token). --rounds-per-call R runs R rounds (or d
 
 A/B in one process: --xla-ops (ops on their XLA references), --xla-option (XLA debug options) and
 --kernel-option (fields of the ops' Pallas tuning) each add the pallas variants again, so changed (Model.variant:
-the same weights, programs of their own).
+the same weights, programs of their own); --xla-ops with --xla-option adds one more, with both, last.
 
 Printed with:
 - kernels: the step program's launches counted in its optimised HLO (fusions, custom calls, library calls,
@@ -41,6 +42,7 @@ import gc
 import gzip
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -240,8 +242,11 @@ def variants(base, args):
     tuning = tuning_for(args.kernel_option, base.cfg, base.tp)
     changes = [dict()]
     changes += [dict(xla_ops=tuple(args.xla_ops))] if args.xla_ops else []
-    changes += [dict(xla_options=tuple(args.xla_option))] if args.xla_option else []
     changes += [dict(tuning=tuning)] if tuning else []
+    # the --xla-option variants last: XLA's autotuning, when an option turns it on, must not serve the others
+    if args.xla_ops and args.xla_option:
+        changes.append(dict(xla_ops=tuple(args.xla_ops), xla_options=tuple(args.xla_option)))
+    changes += [dict(xla_options=tuple(args.xla_option))] if args.xla_option else []
     for i, change in enumerate(changes):
         for kernels, graphs in plain if i == 0 else pallas:
             compile_options = CompileOptions(collectives_in_graphs=graphs == "whole",
@@ -365,14 +370,41 @@ def parse_args(argv=None):
                          "value: list 1 first, since at R > 1 on one GPU the whole call is one CUDA graph and the "
                          "profiler misses most of its kernels)")
     ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--baseline", default=None, metavar="REV|DIR",
+                    help="the regression guard (bench/baseline.py): time this command on the working tree and on REV "
+                         "(a git revision, or a directory holding a tree), in fresh processes, interleaved")
+    ap.add_argument("--baseline-rounds", type=int, default=1, help="with --baseline: pairs of processes")
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.prompt_len, args.n, args.steps = "tiny", 24, 2, 2
     return args
 
 
+def without(argv: list[str], *options: str) -> list[str]:
+    """argv without each of `options` and the value after it."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.split("=")[0] in options:
+            skip = "=" not in arg
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.baseline:
+        import baseline
+
+        say = Report(args.out)
+        heading(say, f"step_bench against {args.baseline}: {args.model}, weights {' '.join(args.weights)}, "
+                     f"S={args.steps}")
+        given = list(sys.argv[1:] if argv is None else argv)
+        baseline.compare("bench/step_bench.py", without(given, "--baseline", "--baseline-rounds", "--out"),
+                         args.baseline, args.baseline_rounds, say)
+        return
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     probe = (lambda: read_bandwidth(1 << 20, warm=1, reps=3)) if args.smoke else read_bandwidth

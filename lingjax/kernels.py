@@ -53,11 +53,11 @@ class Op:
 
 
 OPS = {
-    "fp8_linear": Op(linear_ops.fp8_linear, "lingjax.pallas.fp8_linear:fp8_linear", "lingjax.pallas.fp8_linear:supports"),
     "kda_chain": Op(kda_ops.kda_chain, "lingjax.pallas.kda_chain:kda_chain_verify",
                     "lingjax.pallas.kda_chain:supports"),
     "kda_chunked": Op(kda_ops.kda_chunked, "lingjax.pallas.kda_prefill:kda_chunked_prefill",
                       "lingjax.pallas.kda_prefill:supports"),
+    "linear": Op(linear_ops.rows_linear, "lingjax.pallas.linear:linear", "lingjax.pallas.linear:supports"),
     "mla_absorbed": Op(mla_ops.mla_absorbed, "lingjax.pallas.mla_decode:mla_decode_attention",
                        "lingjax.pallas.mla_decode:supports"),
     "moe_route": Op(moe_ops.route, "lingjax.pallas.moe_router:route", "lingjax.pallas.moe_router:supports"),

@@ -91,11 +91,12 @@ def narrow_linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def project(x: jax.Array, w, paths: Paths, out_dtype=None) -> jax.Array:
-    """linear(x, w) for a plain or an fp8 weight. An fp8 one (lingjax.ops.fp8.Fp8Array) on decode/verify rows runs
-    op "fp8_linear" (the Pallas kernel reads the fp8 bytes); on prefill rows, where the GEMM is compute bound, XLA's
-    GEMM on the weight dequantized to x's dtype."""
-    if isinstance(w, Fp8Array) and x.shape[0] <= VERIFY_ROWS:
-        return paths.op("fp8_linear")(x, w, out_dtype, tokens=paths.tokens)
+    """linear(x, w) for a plain or an fp8 weight (lingjax.ops.fp8.Fp8Array). On decode/verify rows it runs op
+    "linear": the Pallas kernel's launch follows from the shape alone, so every program and process rounds a row
+    alike, and an fp8 weight is read as fp8 (docs/engine.md). On prefill rows, where the GEMM is compute bound,
+    XLA's GEMM (an fp8 weight dequantized to x's dtype)."""
+    if x.shape[0] <= VERIFY_ROWS:
+        return paths.op("linear")(x, w, out_dtype, tokens=paths.tokens)
     return linear(x, w, out_dtype)
 
 
@@ -460,14 +461,15 @@ class LingModel(nnx.Module):
         return (rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)[: paths.tokens], tuple(layers), tuple(staging),
                 features)
 
-    def lm_logits(self, hidden, pad_small: bool = True):
+    def lm_logits(self, hidden, pad_small: bool = True, ex: Exec = Exec()):
         """hidden: [..., D] -> f32 logits [..., V] (under TP: this device's vocabulary shard; see
         Exec.argmax_vocab / gather_vocab). Up to VERIFY_ROWS rows run as VERIFY_ROWS (row invariance: a
         decode's one row and a verify's rows get the same GEMM), unless pad_small=False (drafts)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         n = flat.shape[0]
+        paths = paths_for(n, ex, pad_small)
         with jax.named_scope("lm_head"):
-            logits = linear(pad_rows(flat, max(n, VERIFY_ROWS) if pad_small else n), self.lm_head[...], F32)
+            logits = project(paths.pad(flat), self.lm_head[...], paths, F32)
         return logits[:n].reshape(hidden.shape[:-1] + logits.shape[-1:])
 
     def mtp_forward(self, tokens, hidden, cache: MLACache, start, n_valid, ex: Exec = Exec()):

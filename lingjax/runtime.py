@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from lingjax import checkpoint, sharding, target
+from lingjax import checkpoint, requests, sharding, target
 from lingjax.cache import ModelCache, init_cache
 from lingjax.config import PRESETS, LingConfig, preset
 from lingjax import kernels as kernel_sets
@@ -269,14 +269,14 @@ class Model:
     def _extend_logits_impl(self, weights, cache, tokens, start):
         module = self._module(weights)
         hidden, cache = module.forward(tokens, cache, start, tokens.shape[0], self.ex)
-        return module.lm_logits(hidden), cache
+        return module.lm_logits(hidden, ex=self.ex), cache
 
     def _prefill_impl(self, weights, cache, tokens, start, n_valid, key, sampling: SamplingParams):
         """One prompt chunk -> (token sampled from row n_valid-1, cache)."""
         module = self._module(weights)
         hidden, cache = module.forward(tokens, cache, start, n_valid, self.ex)
         last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False)
-        return sample(module.lm_logits(last), key, sampling, self.ex), cache
+        return sample(module.lm_logits(last, ex=self.ex), key, sampling, self.ex), cache
 
     def _decode_impl(self, weights, cache, token, pos, key, sampling: SamplingParams, steps: int):
         """`steps` tokens from position pos on -> ([steps] tokens, the last, pos + steps, cache).
@@ -287,7 +287,7 @@ class Model:
         def step(carry):
             token, pos, cache = carry
             hidden, cache = module.forward(token[None], cache, pos, 1, self.ex)
-            token = sample(module.lm_logits(hidden[0]), jax.random.fold_in(key, pos), sampling, self.ex)
+            token = sample(module.lm_logits(hidden[0], ex=self.ex), jax.random.fold_in(key, pos), sampling, self.ex)
             return (token, pos + 1, cache), token
 
         (token, pos, cache), new = steps_in_one_call(step, (token, pos, cache), steps)
@@ -476,6 +476,7 @@ def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kern
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     options = RunOptions(kernels=kernels, router_precision=router_precision)
+    seed = requests.check_seed(seed)
     jdtype = DTYPES[dtype]
     if path_or_preset is None:
         path_or_preset = default_checkpoint()

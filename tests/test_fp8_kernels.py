@@ -1,4 +1,4 @@
-"""The kernels that read fp8 weights (lingjax.pallas.fp8_linear, the fp8 forms of lingjax.pallas.moe_experts) in
+"""The kernels that read fp8 weights (lingjax.pallas.linear, the fp8 forms of lingjax.pallas.moe_experts) in
 interpret mode against their plain-JAX references on fresh random inputs, and their supports() against the Triton
 lowering for an H200 at Flash's shapes at TP 1, 2, 4 and 8 (where a shard cuts the 128 x 128 blocks)."""
 
@@ -14,7 +14,8 @@ from lingjax.ops import fp8
 from lingjax.ops import moe as moe_ops
 from lingjax.ops.linear import linear
 from lingjax.pallas import X_ROW_MIN_BYTES, moe_experts, reads_one_row, x_row_mode
-from lingjax.pallas.fp8_linear import ROWS, Fp8LinearTuning, fp8_linear, plan, supports
+from lingjax.pallas.linear import ROWS, LinearTuning, plan, supports
+from lingjax.pallas.linear import linear as pallas_linear
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 S = jax.ShapeDtypeStruct
@@ -33,10 +34,10 @@ def _exact(x, w: fp8.Fp8Array):
 
 
 LINEAR_CASES = [  # (rows, N, K, block, tuning)
-    (16, 256, 512, (128, 128), Fp8LinearTuning()),
-    (1, 96, 320, (32, 64), Fp8LinearTuning(bk=128)),  # a K step over two scale blocks; one row (the drafter's)
-    (5, 128, 1024, (64, 128), Fp8LinearTuning(k_splits=2)),  # K splits added after the launch
-    (16, 64, 256, (16, 16), Fp8LinearTuning(bn=16, bk=64)),  # the finest blocks the GPU takes
+    (16, 256, 512, (128, 128), LinearTuning()),
+    (1, 96, 320, (32, 64), LinearTuning(bk=128)),  # a K step over two scale blocks; one row (the drafter's)
+    (5, 128, 1024, (64, 128), LinearTuning(k_splits=2)),  # K splits added after the launch
+    (16, 64, 256, (16, 16), LinearTuning(bn=16, bk=64)),  # the finest blocks the GPU takes
 ]
 
 
@@ -46,10 +47,10 @@ def test_fp8_linear_matches_reference(rows, n, k, block, tuning, dtype):
     """fp8_linear = x · (q·s)ᵀ with the dequantized weight unrounded (to f32 reassociation), and within bf16's
     rounding of the reference op (linear on the weight dequantized to x's dtype). Interpret mode fills outputs
     with NaN first: rel_err fails on any element left unwritten."""
-    kx, kw = jax.random.split(key_for("fp8_linear", rows, n, k, block))
+    kx, kw = jax.random.split(key_for("linear", rows, n, k, block))
     w = _weight(kw, (n, k), block)
     x = jax.random.normal(kx, (rows, k), F32).astype(dtype)
-    got = fp8_linear(x, w, F32, tuning=tuning, interpret=True)
+    got = pallas_linear(x, w, F32, tuning=tuning, interpret=True)
     assert got.shape == (rows, n)
     assert rel_err(got, _exact(x, w)) < 1e-5
     assert rel_err(got, linear(x, w, F32)) < (1e-5 if dtype == F32 else 2e-2)
@@ -60,10 +61,10 @@ def test_fp8_linear_rounds_once_to_the_output_dtype():
     kx, kw = jax.random.split(key_for("fp8_linear_out"))
     w = _weight(kw, (128, 256), (128, 128))
     x = jax.random.normal(kx, (2, 3, 256), F32).astype(BF16)
-    got = fp8_linear(x, w, interpret=True)
+    got = pallas_linear(x, w, interpret=True)
     assert got.shape == (2, 3, 128) and got.dtype == BF16
     np.testing.assert_array_equal(np.asarray(got, np.float32),
-                                  np.asarray(fp8_linear(x, w, F32, interpret=True).astype(BF16), np.float32))
+                                  np.asarray(pallas_linear(x, w, F32, interpret=True).astype(BF16), np.float32))
 
 
 def test_fp8_linear_rows_are_independent():
@@ -71,8 +72,8 @@ def test_fp8_linear_rows_are_independent():
     kx, kw = jax.random.split(key_for("fp8_linear_rows"))
     w = _weight(kw, (128, 512), (128, 128))
     x = jax.random.normal(kx, (VERIFY_ROWS, 512), F32).astype(BF16)
-    whole = fp8_linear(x, w, F32, interpret=True)
-    one = fp8_linear(x[:1], w, F32, interpret=True)
+    whole = pallas_linear(x, w, F32, interpret=True)
+    one = pallas_linear(x[:1], w, F32, interpret=True)
     np.testing.assert_array_equal(np.asarray(whole[:1]), np.asarray(one))
 
 
@@ -82,10 +83,10 @@ def test_fp8_linear_reads_the_real_rows_sums():
     kx, kw = jax.random.split(key_for("fp8_linear_real_rows"))
     w = _weight(kw, (128, 1024), (64, 128))
     x = jax.random.normal(kx, (VERIFY_ROWS, 1024), F32).astype(BF16)
-    tuning = Fp8LinearTuning(k_splits=4)
-    got = fp8_linear(x, w, F32, tokens=3, tuning=tuning, interpret=True)
+    tuning = LinearTuning(k_splits=4)
+    got = pallas_linear(x, w, F32, tokens=3, tuning=tuning, interpret=True)
     assert got.shape == (VERIFY_ROWS, 128)
-    assert rel_err(got[:3], fp8_linear(x, w, F32, tuning=tuning, interpret=True)[:3]) <= REORDER_TOL
+    assert rel_err(got[:3], pallas_linear(x, w, F32, tuning=tuning, interpret=True)[:3]) <= REORDER_TOL
     assert rel_err(got[:3], _exact(x[:3], w)) < 1e-5
     assert not np.asarray(got[3:]).any()
 
@@ -107,12 +108,12 @@ def test_x_row_loads_wide_enough_to_pipeline():
 
 
 SINGLE_TOKEN_TUNINGS = [  # (tuning, how x's row is read at T = 1)
-    (Fp8LinearTuning(), "gather"),  # a 128-column block's row: 256 bytes, 2 a thread
-    (Fp8LinearTuning(x_row_min_bytes=256), "sum"),  # read per block all the same
-    (Fp8LinearTuning(x_row_split=True), "step"),  # the step's 256 columns once, split in two
-    (Fp8LinearTuning(bk=512, k_splits=1, x_row_split=True), "step"),  # split in four
-    (Fp8LinearTuning(warps=8, x_row_split=True), "gather"),  # 512 bytes over 256 threads
-    (Fp8LinearTuning(warps=8, bk=512, k_splits=1, x_row_split=True), "step"),
+    (LinearTuning(), "gather"),  # a 128-column block's row: 256 bytes, 2 a thread
+    (LinearTuning(x_row_min_bytes=256), "sum"),  # read per block all the same
+    (LinearTuning(x_row_split=True), "step"),  # the step's 256 columns once, split in two
+    (LinearTuning(bk=512, k_splits=1, x_row_split=True), "step"),  # split in four
+    (LinearTuning(warps=8, x_row_split=True), "gather"),  # 512 bytes over 256 threads
+    (LinearTuning(warps=8, bk=512, k_splits=1, x_row_split=True), "step"),
 ]
 
 
@@ -126,13 +127,13 @@ def test_fp8_linear_single_token_reads_of_x(tuning, mode, x_rows):
     n, k = 128, 1024
     w = _weight(kw, (n, k), (128, 128))
     x = jax.random.normal(kx, (VERIFY_ROWS, k), F32).astype(BF16)
-    assert plan(BF16, n, k, w.block, tokens=1, tuning=tuning)["x_row"] == mode
-    assert plan(BF16, n, k, w.block, tuning=tuning)["x_row"] == "gather"
-    got = fp8_linear(x[:x_rows], w, F32, tokens=1, tuning=tuning, interpret=True)
+    assert plan(BF16, w, tokens=1, tuning=tuning)["x_row"] == mode
+    assert plan(BF16, w, tuning=tuning)["x_row"] == "gather"
+    got = pallas_linear(x[:x_rows], w, F32, tokens=1, tuning=tuning, interpret=True)
     assert got.shape == (x_rows, n)
     assert rel_err(got[:1], _exact(x[:1], w)) < 1e-5
     assert not np.asarray(got[1:]).any()  # the rows past the real one come out zero
-    verify = fp8_linear(x, w, F32, tuning=tuning, interpret=True)
+    verify = pallas_linear(x, w, F32, tuning=tuning, interpret=True)
     assert rel_err(got[:1], verify[:1]) <= REORDER_TOL  # separate programs: XLA:CPU may order sums differently
 
 
@@ -145,7 +146,7 @@ def test_fp8_linear_refusals_name_the_dimension():
     short = fp8.Fp8Array(S((128, 256), fp8.FP8), S((1, 32), F32))  # blocks of 8 columns
     assert "K step of 8" in supports(S((16, 256), BF16), short)
     with pytest.raises(ValueError, match="at most 16 rows"):
-        fp8_linear(jnp.ones((17, 256), BF16), _weight(key_for("x"), (128, 256), (128, 128)), interpret=True)
+        pallas_linear(jnp.ones((17, 256), BF16), _weight(key_for("x"), (128, 256), (128, 128)), interpret=True)
 
 
 # ---- the MoE kernels with fp8 experts ------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ def test_fp8_experts_refuse_mixed_weights():
 # ---- supports() at Flash's shapes and the Triton lowering for an H200 ---------------------------------------------
 def _flash_fp8_calls(tp: int):
     """(label, supports, kernel, args, kw) of the fp8 calls a Flash decode/verify makes on one device at `tp`: every
-    projection fp8_linear reads (per-device shapes and device blocks from lingjax.model.fp8_layout) and the routed
+    projection the Pallas linear reads (per-device shapes and device blocks from lingjax.model.fp8_layout) and the routed
     experts with the fused shared expert."""
     cfg = preset("flash")
     layout = fp8_layout(cfg, tp)
@@ -265,7 +266,7 @@ def _flash_fp8_calls(tp: int):
     }
     for label, weight in projections.items():
         for rows in (VERIFY_ROWS, 1):
-            yield f"{label} rows={rows}", supports, fp8_linear, (S((rows, weight.shape[1]), BF16), weight), {}
+            yield f"{label} rows={rows}", supports, pallas_linear, (S((rows, weight.shape[1]), BF16), weight), {}
     experts = (w(moe + ("w_gate",), (e, i, d), 1), w(moe + ("w_up",), (e, i, d), 1),
                w(moe + ("w_down",), (e, d, i), 2))
     shared = (w(moe + ("shared", "gate_proj"), (i, d), 0), w(moe + ("shared", "up_proj"), (i, d), 0),
@@ -313,9 +314,9 @@ def _lower_for_cuda(kernel, args, kw) -> None:
 
 
 DECODE_VARIANTS = [  # the decode's (T = 1) other ways of reading x, at Flash's TP1 shapes
-    ("fp8_linear", Fp8LinearTuning(x_row_split=True)),
-    ("fp8_linear", Fp8LinearTuning(x_row_min_bytes=256)),
-    ("fp8_linear", Fp8LinearTuning(warps=8, bk=512, k_splits=1, x_row_split=True)),  # four blocks a step
+    ("linear", LinearTuning(x_row_split=True)),
+    ("linear", LinearTuning(x_row_min_bytes=256)),
+    ("linear", LinearTuning(warps=8, bk=512, k_splits=1, x_row_split=True)),  # four blocks a step
     ("routed_experts", moe_experts.ExpertTuning(bk_up=256, stages_up=3, bn_up=64, x_row_split=True)),
     ("routed_experts", moe_experts.ExpertTuning(bk_up=512, stages_up=3, bn_up=64, warps_up=8, x_row_split=True)),
     ("routed_experts", moe_experts.ExpertTuning(bk_up=256, stages_up=3, bn_up=64, x_row_min_bytes=256)),
@@ -332,7 +333,7 @@ def test_flash_fp8_decode_row_reads_lower_for_an_h200(op, tuning, monkeypatch):
     monkeypatch.setattr(gpu_info, "get_gpu_info",
                         lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
     calls = {label: (check, kernel, args, kw) for label, check, kernel, args, kw in _flash_fp8_calls(1)}
-    if op == "fp8_linear":
+    if op == "linear":
         check, kernel, args, kw = calls["kda in_proj rows=1"]  # [20480, 2560]: K splits of 1280 columns
         kw = dict(kw, tokens=1)
     else:

@@ -11,7 +11,7 @@ F32 = jnp.float32
 def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x: [..., in]; w: [out, in] -> [..., out] in out_dtype (default: x's dtype), accumulated in f32
     and rounded once. Under TP a column-parallel weight gives this device's slice of the outputs. An fp8 weight
-    (lingjax.ops.fp8.Fp8Array) is dequantized to x's dtype first: the reference of lingjax.pallas.fp8_linear."""
+    (lingjax.ops.fp8.Fp8Array) is dequantized to x's dtype first: the reference of lingjax.pallas.linear."""
     w = dense(w, x.dtype)
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32).astype(out_dtype or x.dtype)
 
@@ -23,8 +23,9 @@ def dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.sum(x[..., None, :].astype(F32) * dense(w, x.dtype).astype(F32), axis=-1).astype(x.dtype)
 
 
-def fp8_linear(x: jax.Array, w, out_dtype=None, *, tokens=None) -> jax.Array:
-    """linear on an fp8 weight (lingjax.ops.fp8.Fp8Array): the reference of lingjax.pallas.fp8_linear, which
-    takes `tokens` (the real rows) as a reading hint; every row is computed here."""
+def rows_linear(x: jax.Array, w, out_dtype=None, *, tokens=None) -> jax.Array:
+    """linear on the few rows of a decode or verify, for a plain or an fp8 weight: the reference of
+    lingjax.pallas.linear.linear, which takes `tokens` (the real rows) and writes zeros past them; every row is
+    computed here."""
     del tokens
     return linear(x, w, out_dtype)

@@ -17,7 +17,7 @@ from lingjax.pallas.grid_dependency import after_producers
 _NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b [N, K]ᵀ
 
 # At T = 1 a kernel whose dot takes 16 copies of x's one row (moe_experts' up kernel, moe_router's GEMV,
-# fp8_linear) reads the row once and broadcasts it when one load of it spans at least this many bytes per 4
+# linear) reads the row once and broadcasts it when one load of it spans at least this many bytes per 4
 # warps of the program: 4 bytes a thread, the smallest copy Triton's software pipeline issues (a narrower load is
 # left in the loop, unpipelined, and its latency is paid at every K step: docs/kernels/moe.md). Below, the kernel
 # gathers the 16 copies (one pipelined load). The default of the kernels' tuning field x_row_min_bytes.

@@ -84,7 +84,7 @@ class NextnDrafter(_NoParams):
                           g=jnp.zeros((cfg.hidden_size,), module.dtype))
 
     def _seed(self, module, z, cache, ex) -> NextnState:
-        d1 = ex.argmax_vocab(module.lm_logits(z, pad_small=False))
+        d1 = ex.argmax_vocab(module.lm_logits(z, pad_small=False, ex=ex))
         return NextnState(cache=cache, d1=d1, g=z)
 
     def prefill(self, module, params, state, rows: TargetRows, next_token, ex):
@@ -99,7 +99,7 @@ class NextnDrafter(_NoParams):
         for i in range(1, self.steps):  # MTP row at s+i-1 with (d_i, g) predicts d_{i+1}
             z, cache = module.mtp_forward(drafts[-1][None], g[None], cache, s + i - 1, 1, ex)
             g = z[0]
-            drafts.append(ex.argmax_vocab(module.lm_logits(g, pad_small=False)))
+            drafts.append(ex.argmax_vocab(module.lm_logits(g, pad_small=False, ex=ex)))
         return Proposal(jnp.stack(drafts)), NextnState(cache=cache, d1=state.d1, g=g)
 
     def extend(self, module, params, state, rows: TargetRows, n, ex):

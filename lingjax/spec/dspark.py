@@ -111,7 +111,7 @@ class DSparkDrafter:
         positions = s + jnp.arange(c.block_size, dtype=jnp.int32)
         visible = jnp.arange(state.k.shape[1]) < s
         h = net.blocks(module.embed_tokens(tokens)[None], positions[None], state.k, state.v, visible[None])[0]
-        base = ex.gather_vocab(module.lm_logits(h, pad_small=False))  # [γ, V] f32: U_1..U_γ
+        base = ex.gather_vocab(module.lm_logits(h, pad_small=False, ex=ex))  # [γ, V] f32: U_1..U_γ
         drafts, probs, conf = markov_chain(net, base, h, bonus, key, sampling, c.markov_topk)
         survival = jnp.cumprod(jax.nn.sigmoid(conf))  # [γ]: a_k
         s_ = self.steps

@@ -80,7 +80,7 @@ class SpecProgram:
         hidden, cache, features = module.forward_features(tokens, cache, start, n_valid, ex,
                                                           self.drafter.feature_layers)
         if last:
-            logits = module.lm_logits(jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False))
+            logits = module.lm_logits(jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False), ex=ex)
             next_token = sample(logits, jax.random.fold_in(key, 0), self.sampling, ex)
         rows = TargetRows(tokens=tokens, hidden=hidden, features=features, start=start, n_valid=n_valid)
         draft = self.drafter.prefill(module, params, draft, rows, next_token, ex)
@@ -103,7 +103,7 @@ class SpecProgram:
             inputs = jnp.concatenate([state.bonus[None], proposal.drafts])  # [S+1]: b, d_1..d_S
             hidden, cache, staging, features = module.verify(inputs, state.cache, state.s, ex,
                                                              self.drafter.feature_layers)
-            logits = module.lm_logits(hidden)  # [S+1, V], lm_head read once for all rows
+            logits = module.lm_logits(hidden, ex=ex)  # [S+1, V], lm_head read once for all rows
         with jax.named_scope("accept"):
             n, tokens = accept(proposal, logits, k_accept, self.sampling, ex)
         with jax.named_scope("commit"):
