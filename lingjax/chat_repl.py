@@ -28,6 +28,7 @@ class ChatSession:
         self.generation_kwargs = dict(generation_kwargs or {})
         self.generate = generate
         self.messages: list[dict] = []
+        self.streaming = False  # a reply's text is on the current line (no status line may be drawn over it)
         self.reset()
 
     def reset(self) -> None:
@@ -40,6 +41,7 @@ class ChatSession:
 
         def on_text(piece: str) -> None:
             shown.append(piece)
+            self.streaming = True
             write(piece)
 
         self.messages.append({"role": "user", "content": user})
@@ -51,6 +53,8 @@ class ChatSession:
         except (ValueError, ChatError):
             self.messages.pop()
             raise
+        finally:
+            self.streaming = False
         text = "".join(shown)
         self.messages.append({"role": "assistant", "content": text})
         return text

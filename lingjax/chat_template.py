@@ -21,13 +21,15 @@ class ChatError(ValueError):
 
 
 def check_messages(messages) -> list[dict]:
-    """messages: a non-empty list of {"role": ..., "content": str}; returns plain dicts."""
+    """messages: a non-empty list of {"role": one of ROLES, "content": str}; returns plain dicts."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ChatError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise ChatError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+        if m["role"] not in ROLES:
+            raise ChatError(f"message {i}'s role must be one of {', '.join(ROLES)}, got {m['role']!r}")
         if not isinstance(m["content"], str):
             raise ChatError(f"message {i}'s content must be a str, got {type(m['content']).__name__}")
         out.append(dict(m))
@@ -70,6 +72,7 @@ def render_for(tokenizer, source: str, messages, *, add_generation_prompt: bool 
     """render() with a tokenizer's own template and special tokens; ChatError naming `source` when it has no
     chat template (no tokenizer, or tokenizer_config.json without `chat_template`)."""
     if tokenizer is None or tokenizer.chat_template is None:
-        raise ChatError(f"{source} has no chat template (tokenizer_config.json chat_template)")
+        raise ChatError(f"{source} has no chat template (tokenizer_config.json chat_template): it is not a chat "
+                        "model; complete text with `lingjax generate` instead")
     return render(tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt,
                   special_tokens=tokenizer.special_tokens, **variables)

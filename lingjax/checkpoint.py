@@ -351,6 +351,15 @@ def load_safetensors(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
             del host
         if progress:
             progress(done, len(groups))
+
+    def name(path, index):
+        key = path[:-1] if path not in groups else path  # an fp8 weight's q or scale
+        parts = groups[key]
+        tensor = next((k for spec, k in parts if spec.index == index), parts[0][1])
+        return tensor + ("" if key == path else f" ({path[-1]})")
+
+    stacked = frozenset(path for path, parts in groups.items() if parts[0][0].index is not None)
+    _refuse_nonfinite(str(directory), params, name, stacked)
     return _merge(graphdef, abstract, params)
 
 
@@ -416,6 +425,35 @@ def read_fp8_config(directory: Path) -> Fp8Config | None:
         raise CheckpointError(f"cannot read {path}: {e}") from None
 
 
+def nonfinite(params: dict, stacked=frozenset()) -> list[tuple[tuple, int | None]]:
+    """(parameter path, index or None) of each parameter in the pure dict `params` that holds a NaN or an infinity,
+    checked on the device in one program; a path in `stacked` is checked per entry of its leading axis (experts
+    stacked from separate tensors), so the tensor can be named."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    paths = [tuple(k.key for k in path) for path, _ in leaves]
+    per_entry = [path[:-1] in stacked or path in stacked for path in paths]
+
+    def flags(arrays):
+        return [jnp.all(jnp.isfinite(a), axis=tuple(range(1, a.ndim))) if entry else jnp.all(jnp.isfinite(a))
+                for a, entry in zip(arrays, per_entry)]
+
+    found = jax.jit(flags)([a for _, a in leaves])
+    bad = []
+    for path, entry, ok in zip(paths, per_entry, found):
+        ok = np.asarray(ok)
+        bad += [(path, int(i)) for i in np.flatnonzero(~ok)] if entry else [] if ok else [(path, None)]
+    return bad
+
+
+def _refuse_nonfinite(where: str, params: dict, names: Callable[[tuple, int | None], str],
+                      stacked=frozenset()) -> None:
+    """A CheckpointError naming the first tensors that hold NaN or infinite values."""
+    bad = nonfinite(params, stacked)
+    if bad:
+        listed = ", ".join(names(path, index) for path, index in bad[:3]) + (" ..." if len(bad) > 3 else "")
+        raise CheckpointError(f"{where}: NaN or infinite values in {listed}")
+
+
 def _merge(graphdef, abstract, params: dict) -> LingModel:
     nnx.replace_by_pure_dict(abstract, params)
     return nnx.merge(graphdef, abstract)
@@ -476,6 +514,7 @@ def load_orbax(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
             raise CheckpointError(f"{directory / ORBAX_DIR}: cannot restore ({e})") from None
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype, with_mtp=meta["has_mtp"]))
     params = jax.tree.map(lambda a, t: a.astype(t.dtype), params, nnx.to_pure_dict(abstract))
+    _refuse_nonfinite(str(directory), params, lambda path, index: "parameter " + ".".join(map(str, path)))
     return _merge(graphdef, abstract, params)
 
 

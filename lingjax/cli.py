@@ -30,7 +30,7 @@ def _ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by spaces, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected integers separated by spaces or commas, got {text!r}") from None
 
 
 def _key_value(text: str) -> tuple[str, object]:
@@ -117,18 +117,29 @@ def _source(args):
     return cfg, directory, name, source_tokenizer(cfg, directory, name)
 
 
+def _stdin_text() -> str:
+    """stdin as UTF-8 text (bytes that are not: one error line)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:  # a text stream standing in for stdin
+        return sys.stdin.read()
+    try:
+        return raw.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"stdin is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+
+
 def _prompt_text(args) -> str | None:
     if args.prompt is not None:
         return args.prompt
     if args.prompt_file is not None:
         if str(args.prompt_file) == "-":
-            return sys.stdin.read()
+            return _stdin_text()
         try:
             return args.prompt_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompt-file {args.prompt_file}: {e}") from None
     if args.prompt_ids is None and not sys.stdin.isatty():
-        return sys.stdin.read()
+        return _stdin_text()
     return None
 
 
@@ -185,7 +196,7 @@ def _check_request(cfg, prompt_len: int, args, name: str) -> None:
     requests.check_generation(cfg, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, spec=args.spec,
                               steps=args.steps, rounds_per_call=args.rounds_per_call,
-                              has_mtp=cfg.num_nextn_predict_layers > 0, draft_block=block)
+                              has_mtp=cfg.num_nextn_predict_layers > 0, draft_block=block, seed=args.seed)
     if args.widths is not None:
         try:
             requests.check_widths(args.widths, block)
@@ -225,10 +236,12 @@ def _load(args, name: str, tokenizer):
 
 def _summary(result, args) -> str:
     accept = f"; mean accept length {result.mean_accept_len:.2f} over {len(result.accept_lens)} rounds" \
-        if args.spec else ""
+        if args.spec and result.accept_lens else ""
+    tpot = (f"TPOT mean {result.tpot_mean_s * 1e3:.2f} ms, median {result.tpot_median_s * 1e3:.2f} ms"
+            if len(result.tokens) > 1 else "no TPOT (one token)")
+    compiled = f" (compiling took {result.compile_s:.1f} s of it)" if result.compile_s > 0 else ""
     return (f"{len(result.tokens)} tokens ({result.stop_reason}); prompt {result.prompt_len}; "
-            f"TTFT {result.ttft_s * 1e3:.1f} ms; TPOT mean {result.tpot_mean_s * 1e3:.2f} ms, "
-            f"median {result.tpot_median_s * 1e3:.2f} ms{accept} (first call includes compilation)")
+            f"TTFT {result.ttft_s * 1e3:.1f} ms; {tpot}{accept}{compiled}")
 
 
 # ---- commands -----------------------------------------------------------------------------------------
@@ -261,14 +274,16 @@ def cmd_generate(args) -> int:
 
     model = _load(args, name, tokenizer)
     import lingjax
+    from lingjax import compile_watch
 
     out = sys.stdout
     state = {"first": True, "last": "\n"}
+    compile_watch.show(sys.stderr, quiet=lambda: state["last"] != "\n")  # no status line after text on a line
 
     def show_id(token: int) -> None:
         out.write(("" if state["first"] else " ") + str(token))
         out.flush()
-        state["first"] = False
+        state["first"], state["last"] = False, " "
 
     def show_text(piece: str) -> None:
         out.write(piece)
@@ -282,7 +297,8 @@ def cmd_generate(args) -> int:
     if as_ids:
         result = lingjax.generate(model, prompt.tolist(),
                                   on_token=lambda t: None if t in stops else show_id(t), **kwargs)
-        out.write("\n")
+        if not state["first"]:
+            out.write("\n")
     else:
         result = lingjax.generate(model, prompt.tolist(), on_text=show_text, **kwargs)
         if state["last"] != "\n":
@@ -297,12 +313,22 @@ def cmd_chat(args) -> int:
 
     from lingjax.chat_template import render_for
 
+    from lingjax.shipped import DEFAULT_NAME, is_default_checkpoint
+
     cfg, _, name, tokenizer = _source(args)
     render_for(tokenizer, name, _messages(args.system, "hello"), **_chat_kwargs(args))  # the options render
     _check_request(cfg, 1, args, name)
+    if is_default_checkpoint(name):
+        print(f"note: {DEFAULT_NAME} is a code completion model, not trained for chat: its replies are code-shaped "
+              "text. `lingjax generate --prompt 'def f(xs):'` completes code.", file=sys.stderr)
+    elif args.model is not None:
+        print(f"note: preset {name} has random weights: its replies are random tokens.", file=sys.stderr)
     model = _load(args, name, tokenizer)
+    from lingjax import compile_watch
+
     session = ChatSession(model, system=args.system, template_kwargs=_chat_kwargs(args),
                           generation_kwargs=_generation_kwargs(args))
+    compile_watch.show(sys.stderr, quiet=lambda: session.streaming)
     return session.run(sys.stdin, sys.stdout, sys.stderr)
 
 
@@ -318,6 +344,12 @@ def cmd_convert(args) -> int:
         raise UsageError("--scale-fmt has no effect without --fp8")
     if not (args.hf_dir / "config.json").exists():
         raise UsageError(f"{args.hf_dir}: no config.json (expected an official checkpoint directory)")
+    if args.out_dir.resolve() == args.hf_dir.resolve():
+        raise UsageError("the output directory is the checkpoint itself: give another one")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        raise UsageError(f"{args.out_dir} exists and is not a directory: give a new directory to write")
+    if args.out_dir.is_dir() and any(args.out_dir.iterdir()):
+        raise UsageError(f"{args.out_dir} is not empty: give a new or empty directory (nothing was written)")
     if args.fp8:
         from lingjax.checkpoint import convert_fp8
 
@@ -404,15 +436,91 @@ def main(argv: list[str] | None = None) -> int:
     from lingjax.config import ConfigError
     from lingjax.tokenizer import TokenizerError
 
+    from lingjax.engine import NonFiniteLogits
+
+    interrupts = _honour_ctrl_c()
     try:
         return args.run(args)
     except (CheckpointError, ConfigError, TokenizerError, ChatError, UsageError, FileNotFoundError,
             NotImplementedError, ValueError) as e:
         print(f"lingjax: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLogits as e:
+        print(f"\nlingjax: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    finally:
+        if interrupts is not None:
+            interrupts.stop()
+        if "lingjax.compile_watch" in sys.modules:  # the status line ends with the command
+            sys.modules["lingjax.compile_watch"].show(None)
+
+
+class _CtrlC:
+    """Ctrl-C at any point: Python sees a signal only between bytecodes, so while the main thread sits in a long
+    native call (XLA compiling a program) the KeyboardInterrupt waits. A thread woken by the signal's byte
+    (signal.set_wakeup_fd) gives the main thread GRACE_S to raise it, then ends the process itself (status 130)."""
+
+    GRACE_S = 1.0
+
+    def __init__(self):
+        import os
+        import signal
+        import threading
+
+        self.read, self.write = os.pipe()
+        os.set_blocking(self.write, False)
+        self.seen = self.raised = 0  # signals woken for, signals the main thread raised
+        self.changed = threading.Condition()
+        self.previous_fd = signal.set_wakeup_fd(self.write)
+        self.previous = signal.signal(signal.SIGINT, self._raise)
+        threading.Thread(target=self._wait, name="lingjax-ctrl-c", daemon=True).start()
+
+    def _raise(self, signum, frame):
+        with self.changed:
+            self.raised += 1
+            self.changed.notify_all()
+        raise KeyboardInterrupt
+
+    def _wait(self):
+        import os
+
+        while True:
+            try:
+                woken = os.read(self.read, 64)
+            except OSError:
+                woken = b""
+            if not woken:
+                os.close(self.read)
+                return
+            with self.changed:
+                self.seen += len(woken)
+                if not self.changed.wait_for(lambda: self.raised >= self.seen, self.GRACE_S):
+                    sys.stderr.write("\nlingjax: interrupted\n")
+                    sys.stderr.flush()
+                    os._exit(130)
+
+    def stop(self):
+        import os
+        import signal
+
+        signal.set_wakeup_fd(self.previous_fd)
+        signal.signal(signal.SIGINT, self.previous)
+        os.close(self.write)
+
+
+def _honour_ctrl_c() -> _CtrlC | None:
+    """Install _CtrlC in the main thread of an interactive run (not under a test's thread or without signals)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        return _CtrlC()
+    except (ValueError, OSError):
+        return None
 
 
 if __name__ == "__main__":

@@ -72,6 +72,15 @@ class LingConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_heads", "kv_lora_rank",
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kda_num_heads", "kda_head_dim", "conv_size",
+                 "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group",
+                 "max_position_embeddings")
+        bad = [f"{name} = {getattr(self, name)}" for name in sizes if getattr(self, name) < 1]
+        bad += [f"{name} = {getattr(self, name)}" for name in ("shared_intermediate_size", "num_nextn_predict_layers")
+                if getattr(self, name) < 0]
+        if bad:
+            raise ConfigError(f"sizes must be positive: {', '.join(bad)}")
         n = self.num_hidden_layers
         if len(self.layer_types) != n or len(self.mlp_types) != n:
             raise ConfigError(f"layer_types/mlp_types must have {n} entries")
@@ -120,10 +129,12 @@ class LingConfig:
         if raw.get("model_type") not in (None, "bailing_hybrid", "bailing_moe_v3"):
             raise ConfigError(f"model_type {raw.get('model_type')!r} is not bailing_hybrid")
 
-        def get(*names, default=...):
+        def get(*names, default=..., kind=None):
+            """The first of `names` set in raw (else default), as `kind` (int, float or bool): a value of another
+            type is an error naming the key."""
             for name in names:
                 if name in raw and raw[name] is not None:
-                    return raw[name]
+                    return _typed(raw[name], name, kind)
             if default is ...:
                 raise ConfigError(f"config.json lacks {' / '.join(names)}")
             return default
@@ -140,11 +151,11 @@ class LingConfig:
         if get("gated_attention_proj_granularity_type", default="head_wise") != "head_wise":
             raise ConfigError("only head-wise MLA gates are supported")
 
-        n_layers = int(get("num_hidden_layers"))
-        heads = int(get("num_attention_heads"))
+        n_layers = get("num_hidden_layers", kind=int)
+        heads = get("num_attention_heads", kind=int)
         # KDA head dim: linear_head_dim in HF spelling, head_dim in the official one.
-        kda_head_dim = int(get("linear_head_dim", "head_dim"))
-        group = int(get("layer_group_size", default=6))
+        kda_head_dim = get("linear_head_dim", "head_dim", kind=int)
+        group = get("layer_group_size", default=6, kind=int)
         if raw.get("layer_types"):
             names = {"full_attention": MLA, "linear_attention": KDA}
             try:
@@ -153,50 +164,52 @@ class LingConfig:
                 raise ConfigError(f"unknown layer type {e} in layer_types") from None
         else:
             layer_types = official_layer_pattern(n_layers, group)
-        first_dense = int(get("first_k_dense_replace", default=0))
+        first_dense = get("first_k_dense_replace", default=0, kind=int)
         if raw.get("mlp_layer_types"):
             mlp_types = tuple(MOE if t == "sparse" else DENSE for t in raw["mlp_layer_types"])
         else:
             mlp_types = tuple(DENSE if i < first_dense else MOE for i in range(n_layers))
 
-        moe_inter = int(get("moe_intermediate_size"))
-        n_shared = int(get("num_shared_experts", "n_shared_experts", default=1))
-        shared_inter = int(get("moe_shared_expert_intermediate_size", default=moe_inter * n_shared)) if n_shared else 0
-        eos = get("eos_token_id", default=())
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        moe_inter = get("moe_intermediate_size", kind=int)
+        n_shared = get("num_shared_experts", "n_shared_experts", default=1, kind=int)
+        shared_inter = get("moe_shared_expert_intermediate_size", default=moe_inter * n_shared, kind=int) if n_shared else 0
+        eos = raw.get("eos_token_id")
+        eos = tuple(_typed(e, "eos_token_id", int) for e in (eos if isinstance(eos, (list, tuple)) else
+                                                             () if eos is None else (eos,)))
         return cls(
-            vocab_size=int(get("vocab_size")),
-            hidden_size=int(get("hidden_size")),
-            intermediate_size=int(get("intermediate_size")),
+            vocab_size=get("vocab_size", kind=int),
+            hidden_size=get("hidden_size", kind=int),
+            intermediate_size=get("intermediate_size", kind=int),
             num_hidden_layers=n_layers,
             layer_types=layer_types,
             mlp_types=mlp_types,
             num_heads=heads,
-            kv_lora_rank=int(get("kv_lora_rank")),
-            qk_nope_head_dim=int(get("qk_nope_head_dim")),
-            qk_rope_head_dim=int(get("qk_rope_head_dim")),
-            v_head_dim=int(get("v_head_dim")),
-            rope_theta=float(rope.get("rope_theta") or get("rope_theta", default=6e6)),
-            kda_num_heads=int(get("linear_num_heads", default=heads)),
+            kv_lora_rank=get("kv_lora_rank", kind=int),
+            qk_nope_head_dim=get("qk_nope_head_dim", kind=int),
+            qk_rope_head_dim=get("qk_rope_head_dim", kind=int),
+            v_head_dim=get("v_head_dim", kind=int),
+            rope_theta=_typed(rope["rope_theta"], "rope_parameters.rope_theta", float) if rope.get("rope_theta")
+            else get("rope_theta", default=6e6, kind=float),
+            kda_num_heads=get("linear_num_heads", default=heads, kind=int),
             kda_head_dim=kda_head_dim,
-            conv_size=int(get("linear_conv_kernel_dim", "short_conv_kernel_size", default=4)),
-            kda_safe_gate=bool(get("kda_safe_gate", default=True)),
-            kda_lower_bound=float(get("kda_lower_bound", default=-5.0)),
-            num_experts=int(get("num_experts", "num_local_experts")),
-            num_experts_per_tok=int(get("num_experts_per_tok", "num_experts_per_token")),
+            conv_size=get("linear_conv_kernel_dim", "short_conv_kernel_size", default=4, kind=int),
+            kda_safe_gate=get("kda_safe_gate", default=True, kind=bool),
+            kda_lower_bound=get("kda_lower_bound", default=-5.0, kind=float),
+            num_experts=get("num_experts", "num_local_experts", kind=int),
+            num_experts_per_tok=get("num_experts_per_tok", "num_experts_per_token", kind=int),
             moe_intermediate_size=moe_inter,
             shared_intermediate_size=shared_inter,
-            n_group=int(get("n_group", "num_expert_group", default=1)),
-            topk_group=int(get("topk_group", default=1)),
-            routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
-            norm_topk_prob=bool(get("norm_topk_prob", "moe_renormalize", default=True)),
-            expert_swiglu_limits=_limits(raw.get("expert_swiglu_limit_list")),
-            shared_swiglu_limits=_limits(raw.get("share_expert_swiglu_limit_list")),
-            rms_norm_eps=float(get("rms_norm_eps", default=1e-6)),
-            num_nextn_predict_layers=int(get("num_nextn_predict_layers", "num_mtp_layers", default=0)),
-            eos_token_ids=tuple(int(e) for e in eos),
-            max_position_embeddings=int(get("max_position_embeddings", "model_max_length", default=262144)),
-            tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+            n_group=get("n_group", "num_expert_group", default=1, kind=int),
+            topk_group=get("topk_group", default=1, kind=int),
+            routed_scaling_factor=get("routed_scaling_factor", default=1.0, kind=float),
+            norm_topk_prob=get("norm_topk_prob", "moe_renormalize", default=True, kind=bool),
+            expert_swiglu_limits=_limits(raw, "expert_swiglu_limit_list"),
+            shared_swiglu_limits=_limits(raw, "share_expert_swiglu_limit_list"),
+            rms_norm_eps=get("rms_norm_eps", default=1e-6, kind=float),
+            num_nextn_predict_layers=get("num_nextn_predict_layers", "num_mtp_layers", default=0, kind=int),
+            eos_token_ids=eos,
+            max_position_embeddings=get("max_position_embeddings", "model_max_length", default=262144, kind=int),
+            tie_word_embeddings=get("tie_word_embeddings", default=False, kind=bool),
         )
 
     @classmethod
@@ -258,8 +271,27 @@ def official_layer_pattern(num_layers: int, group: int) -> tuple[str, ...]:
     return tuple(MLA if (i + 1) % group == 0 or i >= full else KDA for i in range(num_layers))
 
 
-def _limits(values) -> tuple[float, ...]:
-    return tuple(float(v or 0.0) for v in (values or ()))
+_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _typed(value, name: str, kind):
+    """A config.json value as `kind` (None: as it is); a string, a fraction for an int or a non-boolean for a flag
+    is an error that names the key."""
+    if kind is None:
+        return value
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = {int: number and float(value).is_integer(), float: number,
+          bool: isinstance(value, bool) or value in (0, 1)}[kind]
+    if not ok:
+        raise ConfigError(f"{name} must be {_KINDS[kind]}, got {value!r}")
+    return kind(value)
+
+
+def _limits(raw: dict, name: str) -> tuple[float, ...]:
+    values = raw.get(name) or ()
+    if not isinstance(values, (list, tuple)):
+        raise ConfigError(f"{name} must be a list of numbers, got {values!r}")
+    return tuple(_typed(v or 0.0, name, float) for v in values)
 
 
 # ---- presets -------------------------------------------------------------------------------

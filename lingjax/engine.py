@@ -21,17 +21,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lingjax import requests
+from lingjax import compile_watch, requests
 from lingjax.config import VERIFY_ROWS
 from lingjax.detokenize import TextStream
 from lingjax.runtime import Model
-from lingjax.sampling import SamplingParams
+from lingjax.sampling import NONFINITE, SamplingParams
 from lingjax.spec.step import read_output_row
 
 # Prompt tokens per prefill program (a power of two). Each chunk touches every routed expert, so each
 # reads all the weights: fewer, longer chunks read them fewer times (docs/engine.md).
 PREFILL_CHUNK = 2048
 MIN_CAPACITY = 256
+
+
+class NonFiniteLogits(RuntimeError):
+    """A generation stopped because the logits a token would come from were NaN or infinite."""
 
 
 @dataclasses.dataclass
@@ -46,6 +50,7 @@ class GenerationResult:
     token_times_s: list[float]  # per token, from submit (tokens of one step share its gap evenly)
     accept_lens: list[int] = dataclasses.field(default_factory=list)  # per speculative round read
     text: str | None = None  # the new tokens but a stop token as text (special tokens left out); None: no tokenizer
+    compile_s: float = 0.0  # of total_s, the seconds spent compiling (or loading) programs
 
     @property
     def tokens_per_s(self) -> float:
@@ -126,18 +131,30 @@ def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key, round
     pending, produced = token, 0
     start_host_copy(pending)
     pos = model.put(np.int32(prompt.size))
-    while True:
-        if produced + 1 < max_new_tokens:  # run ahead: launch the next call before reading this one
-            new, token, pos, cache = decode(model.weights, cache, token, pos, base_key)
-            start_host_copy(new)
-        else:
-            new = None
-        tokens = np.atleast_1d(host_read(pending)).tolist()
-        yield tokens
-        produced += len(tokens)
-        if new is None:
-            return
-        pending = new
+    new = None
+    try:
+        while True:
+            if produced + 1 < max_new_tokens:  # run ahead: launch the next call before reading this one
+                new, token, pos, cache = decode(model.weights, cache, token, pos, base_key)
+                start_host_copy(new)
+            else:
+                new = None
+            tokens = np.atleast_1d(host_read(pending)).tolist()
+            yield tokens
+            produced += len(tokens)
+            if new is None:
+                return
+            pending = new
+    finally:
+        settle(new)
+
+
+def settle(in_flight) -> None:
+    """Wait for the call a generation launched ahead and will not read (the one after a stop), through its output
+    (a program's outputs are ready together): a process that exits with a computation still running aborts in the
+    runtime's teardown. One step's wait, after the last token has reached the caller."""
+    if in_flight is not None:
+        jax.block_until_ready(in_flight)
 
 
 def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tokens: int, base_key,
@@ -170,28 +187,32 @@ def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafte
     bonus, state = spec_prefill(model, programs[widest], drafters[widest], prompt, max_new_tokens, base_key, chunk)
     pending, pending_width, produced, report = bonus, None, 0, None
     start_host_copy(pending)
-    while True:
-        if produced + 1 < max_new_tokens:  # run ahead (a round yields at least one token)
-            width = choose(report)
-            state, out = programs[width].round(programs[width].weights, state)
-            start_host_copy(out)
-        else:
-            out = width = None
-        value = host_read(pending)
-        if pending_width is None:
-            tokens = [int(value)]
-        else:
-            tokens = []
-            for row in value:  # one row per round (lingjax.spec.step.output_row)
-                new, report = read_output_row(row, pending_width - 1)
-                tokens += new
-                accept_lens.append(len(new))
-            report = report if report.size else None
-        yield tokens
-        produced += len(tokens)
-        if out is None:
-            return
-        pending, pending_width = out, width
+    out = None
+    try:
+        while True:
+            if produced + 1 < max_new_tokens:  # run ahead (a round yields at least one token)
+                width = choose(report)
+                state, out = programs[width].round(programs[width].weights, state)
+                start_host_copy(out)
+            else:
+                out = width = None
+            value = host_read(pending)
+            if pending_width is None:
+                tokens = [int(value)]
+            else:
+                tokens = []
+                for row in value:  # one row per round (lingjax.spec.step.output_row)
+                    new, report = read_output_row(row, pending_width - 1)
+                    tokens += new
+                    accept_lens.append(len(new))
+                report = report if report.size else None
+            yield tokens
+            produced += len(tokens)
+            if out is None:
+                return
+            pending, pending_width = out, width
+    finally:
+        settle(out)
 
 
 def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
@@ -213,6 +234,8 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     the tokens are the same either way. prefill_chunk: prompt tokens per prefill program, a power of two of at
     least 2 * VERIFY_ROWS. Every argument is checked (lingjax.requests) before the prompt reaches the device.
     """
+    requests.check_callback("on_token", on_token)
+    requests.check_callback("on_text", on_text)
     tokenizer = model.tokenizer
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -228,7 +251,7 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     steps = requests.check_generation(model.cfg, prompt_len=prompt.size, max_new_tokens=max_new_tokens,
                                       temperature=temperature, top_k=top_k, top_p=top_p, spec=spec, steps=steps,
                                       rounds_per_call=rounds_per_call, has_mtp=model.has_mtp,
-                                      draft_block=_draft_block(model))
+                                      draft_block=_draft_block(model), seed=seed)
     check_prefill_chunk(prefill_chunk)
     stops = stop_set(model, stop_ids, ignore_eos)
     sampling = SamplingParams(temperature, top_k, top_p)
@@ -247,6 +270,7 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     if on_text is not None and stream is None:
         raise ValueError(f"on_text needs a tokenizer, and {model.source or 'this model'} has none")
 
+    compiling = compile_watch.watch().total_s
     t0 = time.perf_counter()
     if not drafters:
         steps_iter = _plain_steps(model, prompt, max_new_tokens, sampling, base_key, rounds_per_call, prefill_chunk)
@@ -256,28 +280,35 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     tokens: list[int] = []
     times: list[float] = []
     stop_reason = "length"
-    for step_tokens in steps_iter:
-        now = time.perf_counter() - t0
-        last = times[-1] if times else 0.0
-        kept = 0
-        for j, value in enumerate(step_tokens, 1):
-            tokens.append(value)
-            kept += 1
-            times.append(last + (now - last) * j / len(step_tokens))
-            if on_token:
-                on_token(value)
-            if value in stops:
-                stop_reason = "stop"
+    try:  # the generator's own cleanup (the call launched ahead) also runs on an error or Ctrl-C
+        for step_tokens in steps_iter:
+            now = time.perf_counter() - t0
+            last = times[-1] if times else 0.0
+            kept = 0
+            for j, value in enumerate(step_tokens, 1):
+                if value == NONFINITE:
+                    raise NonFiniteLogits(
+                        f"the logits of {model.source or 'this model'} hold NaN or infinite values at new token "
+                        f"{len(tokens) + 1}: its weights or activations overflow in {jnp.dtype(model.dtype).name}; "
+                        "no token is taken from them")
+                tokens.append(value)
+                kept += 1
+                times.append(last + (now - last) * j / len(step_tokens))
+                if on_token:
+                    on_token(value)
+                if value in stops:
+                    stop_reason = "stop"
+                    break
+                if len(tokens) >= max_new_tokens:
+                    break
+            if stream is not None:  # the stop token is not text
+                new = stream.push(step_tokens[:kept - 1] if stop_reason == "stop" else step_tokens[:kept])
+                if on_text and new:
+                    on_text(new)
+            if stop_reason == "stop" or len(tokens) >= max_new_tokens:
                 break
-            if len(tokens) >= max_new_tokens:
-                break
-        if stream is not None:  # the stop token is not text
-            new = stream.push(step_tokens[:kept - 1] if stop_reason == "stop" else step_tokens[:kept])
-            if on_text and new:
-                on_text(new)
-        if stop_reason == "stop" or len(tokens) >= max_new_tokens:
-            break
-    steps_iter.close()
+    finally:
+        steps_iter.close()
     if stream is not None:
         rest = stream.flush()
         if on_text and rest:
@@ -298,6 +329,7 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
         token_times_s=times,
         accept_lens=accept_lens,
         text=stream.text if stream is not None else None,
+        compile_s=compile_watch.seconds() - compiling,
     )
 
 

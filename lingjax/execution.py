@@ -89,18 +89,24 @@ class Exec:
         return jax.lax.all_gather(logits, self.tp_axis, axis=-1, tiled=True) if self.tp_axis else logits
 
     def argmax_vocab(self, logits: jax.Array) -> jax.Array:
-        """argmax over the (possibly vocab-sharded) last axis, ties to the lowest id like jnp.argmax.
-        Under TP, ONE collective: each shard's (max, global id of its local argmax) pair, as two f32
-        (ids below 2^24 are exact), all-gathered; the first shard holding the top value wins, and
-        shards hold increasing id ranges. A pmax then a pmin would cost two collectives per argmax."""
+        """argmax over the (possibly vocab-sharded) last axis, ties to the lowest id like jnp.argmax."""
+        return self.max_argmax_vocab(logits)[1]
+
+    def max_argmax_vocab(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(max f32, argmax int32) over the (possibly vocab-sharded) last axis, ties to the lowest id like
+        jnp.argmax; a NaN anywhere makes the max NaN. Under TP, ONE collective: each shard's (max, global id of its
+        local argmax) pair, as two f32 (ids below 2^24 are exact), all-gathered; the first shard holding the top
+        value wins, and shards hold increasing id ranges. A pmax then a pmin would cost two collectives."""
         local = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        top = jnp.max(logits, axis=-1).astype(jnp.float32)
         if not self.tp_axis:
-            return local
+            return top, local
         shards = jax.lax.axis_size(self.tp_axis)
         if logits.shape[-1] * shards > 1 << 24:
             raise ValueError(f"vocabulary {logits.shape[-1] * shards} too large for f32 ids in argmax_vocab")
         offset = jax.lax.axis_index(self.tp_axis) * logits.shape[-1]
-        pair = jnp.stack([jnp.max(logits, axis=-1).astype(jnp.float32), (local + offset).astype(jnp.float32)], -1)
+        pair = jnp.stack([top, (local + offset).astype(jnp.float32)], -1)
         pairs = jax.lax.all_gather(pair, self.tp_axis)  # [shards, ..., 2]
-        winner = jnp.argmax(pairs[..., 0], axis=0)  # the first maximum: the lowest shard
-        return jnp.take_along_axis(pairs[..., 1], winner[None], axis=0)[0].astype(jnp.int32)
+        winner = jnp.argmax(pairs[..., 0], axis=0)  # the first maximum: the lowest shard (a NaN wins too)
+        best = jnp.take_along_axis(pairs, winner[None, ..., None], axis=0)[0]
+        return best[..., 0], best[..., 1].astype(jnp.int32)

@@ -15,13 +15,37 @@ SPEC_METHODS = ("nextn", "dspark")
 DEFAULT_STEPS = 5
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    if not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k}")
-    if not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:  # NaN fails the comparison too
-        raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p}")
+MAX_SEED = 2**63  # seeds are int64 values
+
+
+def is_int(value) -> bool:
+    """An integer, not a bool (True is an int in Python, never a count here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, vocab_size: int | None = None) -> None:
+    if not is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if not is_int(top_k) or top_k < 0 or (vocab_size is not None and top_k > vocab_size):
+        top = f" and at most the vocabulary's {vocab_size}" if vocab_size is not None else ""
+        raise ValueError(f"top_k must be an integer >= 0{top} (0: off), got {top_k!r}")
+    if not is_real(top_p) or not 0.0 < top_p <= 1.0:  # NaN fails the comparison too
+        raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p!r}")
+
+
+def check_seed(seed) -> int:
+    if not is_int(seed) or not 0 <= seed < MAX_SEED:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return int(seed)
+
+
+def check_callback(name: str, fn) -> None:
+    if fn is not None and not callable(fn):
+        raise ValueError(f"{name} must be a callable or None, got {fn!r}")
 
 
 def check_prompt_ids(ids, vocab_size: int) -> np.ndarray:
@@ -43,7 +67,7 @@ def check_prompt_ids(ids, vocab_size: int) -> np.ndarray:
 
 
 def check_stop_ids(ids: Sequence[int], vocab_size: int) -> set[int]:
-    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size]
+    bad = [i for i in ids if not is_int(i) or not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"stop ids {bad[:5]} are not ids of the vocabulary [0, {vocab_size})")
     return {int(i) for i in ids}
@@ -53,7 +77,7 @@ def check_widths(widths, draft_block: int) -> tuple[int, ...]:
     """DSpark verify widths to choose from each round: integers in [2, the drafter's block size + 1], at most the
     kernels' VERIFY_ROWS -> sorted, distinct."""
     top = min(draft_block + 1, VERIFY_ROWS)
-    bad = [w for w in widths if isinstance(w, bool) or not isinstance(w, numbers.Integral) or not 2 <= w <= top]
+    bad = [w for w in widths if not is_int(w) or not 2 <= w <= top]
     if not widths or bad:
         raise ValueError(f"widths must lie in [2, {top}] (verify widths: the drafter's block size + 1), got "
                          f"{list(widths)}")
@@ -62,17 +86,19 @@ def check_widths(widths, draft_block: int) -> tuple[int, ...]:
 
 def check_generation(cfg: LingConfig, *, prompt_len: int, max_new_tokens: int, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, spec: str | None = None, steps: int | None = None,
-                     rounds_per_call: int = 1, has_mtp: bool | None = None, draft_block: int | None = None) -> int:
+                     rounds_per_call: int = 1, has_mtp: bool | None = None, draft_block: int | None = None,
+                     seed: int = 0) -> int:
     """Everything about a request but the prompt's ids; returns the drafts per round (0 without spec).
     draft_block: the block size of the model's DSpark drafter (None: it has none). Options that would have no
     effect are errors, so a typo never silently changes nothing."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
-    check_sampling(temperature, top_k, top_p)
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_sampling(temperature, top_k, top_p, cfg.vocab_size)
+    check_seed(seed)
     if temperature == 0 and (top_k != 0 or top_p != 1.0):
         raise ValueError("top_k and top_p have no effect at temperature 0 (greedy); set a temperature > 0")
-    if isinstance(rounds_per_call, bool) or not isinstance(rounds_per_call, numbers.Integral) or rounds_per_call < 1:
-        raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
+    if not is_int(rounds_per_call) or rounds_per_call < 1:
+        raise ValueError(f"rounds_per_call must be an integer >= 1, got {rounds_per_call!r}")
     if prompt_len + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) is past the "
                          f"model's maximum length of {cfg.max_position_embeddings} tokens")
@@ -88,17 +114,17 @@ def check_generation(cfg: LingConfig, *, prompt_len: int, max_new_tokens: int, t
             raise ValueError("spec='dspark' needs a DSpark drafter beside the model: load it with "
                              "lingjax.load(..., draft=DIR) (the CLI's --draft DIR)")
         steps = draft_block if steps is None else steps
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps <= draft_block:
-            raise ValueError(f"steps must be in [1, {draft_block}] (the drafter's block size) with spec='dspark', "
-                             f"got {steps}")
+        if not is_int(steps) or not 1 <= steps <= draft_block:
+            raise ValueError(f"steps must be an integer in [1, {draft_block}] (the drafter's block size) with "
+                             f"spec='dspark', got {steps!r}")
         if steps + 1 > VERIFY_ROWS:
             raise ValueError(f"a verify of {steps + 1} rows is past the kernels' {VERIFY_ROWS}: give steps <= "
                              f"{VERIFY_ROWS - 1}")
         return int(steps)
     steps = DEFAULT_STEPS if steps is None else steps
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps <= VERIFY_ROWS - 1:
-        raise ValueError(f"steps must be in [1, {VERIFY_ROWS - 1}] (verify width steps+1 <= {VERIFY_ROWS}), "
-                         f"got {steps}")
+    if not is_int(steps) or not 1 <= steps <= VERIFY_ROWS - 1:
+        raise ValueError(f"steps must be an integer in [1, {VERIFY_ROWS - 1}] (verify width steps+1 <= "
+                         f"{VERIFY_ROWS}), got {steps!r}")
     if cfg.num_nextn_predict_layers < 1 or has_mtp is False:
         raise ValueError(f"spec={spec!r} needs the MTP layer (model.layers.{cfg.mtp_layer_id}.*), which this "
                          "model does not have; generate without spec")

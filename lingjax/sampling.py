@@ -40,10 +40,26 @@ def processed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return logits
 
 
+# The token id a program returns in place of a token chosen from logits that hold a NaN or an infinity: the host
+# reads it with the tokens (no other transfer) and stops the generation with an error (lingjax.engine).
+NONFINITE = -1
+
+
+def flag_nonfinite(tokens: jax.Array, top: jax.Array) -> jax.Array:
+    """tokens, or NONFINITE where `top` (the max of the logits a token came from; NaN if any is NaN) is not
+    finite; with `top` over several rows ([R]), every token of tokens is flagged when any row is."""
+    ok = jnp.all(jnp.isfinite(top))
+    return jnp.where(ok, tokens, NONFINITE)
+
+
 def sample(logits: jax.Array, key: jax.Array, params: SamplingParams, ex: Exec = Exec()) -> jax.Array:
-    """logits: [..., V] (a vocabulary shard under TP) -> token ids [...] int32. Greedy reduces across
-    shards; sampling gathers the full vocabulary and draws with the same key on every shard."""
+    """logits: [..., V] (a vocabulary shard under TP) -> token ids [...] int32 (NONFINITE where the logits are
+    not finite). Greedy reduces across shards; sampling gathers the full vocabulary and draws with the same key on
+    every shard."""
     if params.greedy:
-        return ex.argmax_vocab(logits)
-    logits = ex.gather_vocab(logits)
-    return jax.random.categorical(key, processed_logits(logits, params), axis=-1).astype(jnp.int32)
+        top, token = ex.max_argmax_vocab(logits)
+    else:
+        logits = ex.gather_vocab(logits)
+        top = jnp.max(logits, axis=-1)
+        token = jax.random.categorical(key, processed_logits(logits, params), axis=-1).astype(jnp.int32)
+    return jnp.where(jnp.isfinite(top), token, NONFINITE)

@@ -81,7 +81,9 @@ def param_specs(params):
 
 def check_tp(cfg: LingConfig, tp: int) -> None:
     """Enough devices, and every split dim divides evenly; say what does not."""
-    if tp < 1 or tp > len(target.devices()):
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp (tensor-parallel devices) must be an integer >= 1, got {tp!r}")
+    if tp > len(target.devices()):
         raise ValueError(f"tp={tp} needs that many devices; {len(target.devices())} available")
     dims = {
         "num_attention_heads (MLA)": cfg.num_heads if any(t != KDA for t in cfg.layer_types) else tp,

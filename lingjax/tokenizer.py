@@ -92,6 +92,12 @@ class Tokenizer:
         is added (a chat template writes what the model expects)."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates: bytes that were not UTF-8, decoded with surrogateescape
+            bad = text[e.start].encode("utf-8", "surrogateescape") if "\udc80" <= text[e.start] <= "\udcff" else None
+            what = f"byte 0x{bad[0]:02x}" if bad else f"character {text[e.start]!r}"
+            raise TokenizerError(f"the text is not valid UTF-8 ({what} at character {e.start})") from None
         return self._backend.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

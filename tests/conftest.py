@@ -75,11 +75,12 @@ SLOW = {
     "test_checkpoint": {
         "test_alternate_layouts_load_identically", "test_save_load_round_trip_and_orbax"},
     "test_cli": {
-        "test_generate_speculative", "test_generate_tensor_parallel"},
+        "test_generate_speculative", "test_generate_tensor_parallel", "test_generate_ends_cleanly_when_it_stops_early"},
     "test_generate": {
         "test_decode_steps_per_call_same_tokens",
         "test_kernel_set_auto_and_bad_names", "test_pallas_kernels_give_the_same_model",
         "test_prompt_longer_than_one_prefill_chunk", "test_sampling_is_seeded_and_respects_top_k",
+        "test_nonfinite_logits_stop_generation_with_an_error",
         "test_xla_ops_override_one_kernel"},
     "test_kernel_stamps": {
         "test_smoke_run_equals_unprobed"},

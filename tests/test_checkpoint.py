@@ -91,6 +91,22 @@ def test_truncated_file(tmp_path):
     assert f.name in msg and "truncated" in msg
 
 
+@pytest.mark.parametrize("name,bad", [("model.norm.weight", np.nan),
+                                      ("model.layers.1.mlp.experts.3.up_proj.weight", np.inf)])
+def test_nonfinite_weights_are_refused_naming_the_tensor(tmp_path, name, bad):
+    """A NaN or an infinity anywhere in a tensor is refused at load, naming it (a stacked expert by its own name)."""
+    d = _copy(SINGLE, tmp_path)
+
+    def poison(tensors):
+        value = tensors[name].copy()
+        value.flat[np.random.default_rng().integers(value.size)] = bad
+        tensors[name] = value
+
+    _rewrite(d / "model.safetensors", poison)
+    msg = _load_error(d)
+    assert "NaN or infinite" in msg and name in msg and "experts.2." not in msg
+
+
 def test_config_that_does_not_match_tensors(tmp_path):
     d = _copy(SINGLE, tmp_path)
     cfg = json.loads((d / "config.json").read_text())

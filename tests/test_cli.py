@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import lingjax
@@ -193,6 +194,13 @@ BAD_REQUESTS = {
     "preset and checkpoint": (TINY + ["--checkpoint", "x", "--prompt", "a"], "not allowed with"),
     "unknown command": (["frobnicate"], "invalid choice"),
     "unknown option": (TINY + ["--prompt", "a", "--frobnicate"], "unrecognized arguments"),
+    "seed past int64": (TINY + ["--prompt", "a", "--seed", str(2**70)], "seed must be an integer in [0, 2**63)"),
+    "top-k past the vocabulary": (TINY + ["--prompt", "a", "--temperature", "1", "--top-k", str(10**9)],
+                                  "at most the vocabulary's 512"),
+    "tp 0": (TINY + ["--prompt", "a", "--tp", "0"], "tp (tensor-parallel devices) must be an integer >= 1, got 0"),
+    "widths not integers": (TINY + ["--prompt", "a", "--spec", "dspark", "--draft", "random", "--widths", "a,b"],
+                            "integers separated by spaces or commas"),
+    "prompt not UTF-8": (TINY + ["--prompt", "ab\udcffc"], "not valid UTF-8 (byte 0xff at character 2)"),
 }
 
 
@@ -229,6 +237,86 @@ def test_bad_checkpoint_config_is_one_line(tmp_path, capsys, no_model_work):
     (tmp_path / "config.json").write_text("{not json")
     code, _, err = _run(["generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1"], capsys)
     assert code == 2 and err.startswith("lingjax: error:") and err.count("\n") == 1
+
+
+def test_stdin_that_is_not_utf8_is_one_line(capsys, monkeypatch, no_model_work):
+    class Stdin(io.StringIO):
+        buffer = io.BytesIO(b"def f(\xff):")
+
+    monkeypatch.setattr(sys, "stdin", Stdin())
+    code, _, err = _run(TINY, capsys)
+    assert code == 2 and err == "lingjax: error: stdin is not UTF-8 text (byte 0xff at offset 6)\n"
+
+
+def test_config_value_of_the_wrong_type_names_file_and_key(tmp_path, capsys, no_model_work):
+    d = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "tiny_c", d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | {"hidden_size": "big"}))
+    code, _, err = _run(["generate", "--checkpoint", str(d), "--prompt-ids", "1"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert str(d / "config.json") in err and "hidden_size must be an integer, got 'big'" in err
+
+
+def test_convert_refuses_a_file_or_a_directory_that_is_not_empty(tmp_path, capsys, no_model_work):
+    src = FIXTURES / "tiny_a"
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("keep")
+    for out, says in ((tmp_path / "file", "is not a directory"), (tmp_path / "full", "is not empty"),
+                      (src, "is the checkpoint itself")):
+        code, _, err = _run(["convert", str(src), str(out)], capsys)
+        assert code == 2 and says in err and err.count("\n") == 1, err
+    assert (tmp_path / "full" / "keep.txt").read_text() == "keep" and sorted((tmp_path / "full").iterdir()) == [
+        tmp_path / "full" / "keep.txt"]
+
+
+def test_chat_says_what_the_shipped_model_is(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    code, _, err = _run(["chat"], capsys)
+    assert code == 0 and "is a code completion model, not trained for chat" in err and "lingjax generate" in err
+
+
+def test_generate_summary_says_compiled_only_when_it_did(capsys):
+    args = TINY + ["--prompt-ids", "4 5 6", "--max-new-tokens", "1", "--ids", "--dtype", "float32", "--seed", "11"]
+    code, _, first = _run(args, capsys)
+    assert code == 0 and "no TPOT (one token)" in first and "compiling took" in first
+    from lingjax import compile_watch
+
+    assert compile_watch.seconds() > 0
+
+
+def _cli(*argv, env):
+    return subprocess.run([sys.executable, "-m", "lingjax.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_generate_ends_cleanly_when_it_stops_early(tmp_path):
+    """`lingjax generate` exits 0 (no abort in the runtime's teardown with a call launched ahead still running) when
+    the first new token is a stop, when a stop falls inside a round's accepted drafts, and at max_new_tokens 1."""
+    import os
+
+    model = lingjax.load()
+    prompt = "def quicksort(xs):"
+    spec = lingjax.generate(model, prompt, 24, spec="nextn", steps=3, ignore_eos=True)
+    tokens, rounds = spec.tokens, spec.accept_lens
+    # a token inside a round (its second or later), not seen before it: the stop cuts the round's tokens after it
+    starts = np.cumsum([1] + rounds[:-1]).tolist()
+    inside = [starts[r] + 1 for r, n in enumerate(rounds) if n >= 2 and starts[r] + 1 < len(tokens)
+              and tokens[starts[r] + 1] not in tokens[:starts[r] + 1]]
+    assert inside, (tokens, rounds)
+    env = dict(os.environ, LINGJAX_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("LINGJAX_NO_CACHE")
+    base = ["generate", "--prompt", prompt, "--ignore-eos", "--ids"]
+    cases = [(base + ["--stop-ids", str(tokens[0]), "--max-new-tokens", "8"], 1),
+             (base + ["--spec", "nextn", "--steps", "3", "--stop-ids", str(tokens[inside[0]]), "--max-new-tokens",
+                      "24"], inside[0] + 1),
+             (base + ["--max-new-tokens", "1"], 1)]
+    for argv, count in cases:
+        done = _cli(*argv, env=env)
+        assert done.returncode == 0, (argv, done.returncode, done.stderr[-2000:])
+        assert done.stdout.split() == [str(t) for t in tokens[:count]][: count - 1 if "--stop-ids" in argv else count]
+        assert f"{count} tokens (" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_chat_refuses_bad_template_options_before_loading(ling_dir, capsys, no_model_work):

@@ -123,13 +123,62 @@ def test_host_reads_go_through_host_read(monkeypatch):
     (dict(prompt=[], max_new_tokens=3), "empty"),
     (dict(prompt=[1, 512], max_new_tokens=3), "outside the vocabulary"),
     (dict(prompt=[1], max_new_tokens=0), "max_new_tokens"),
-    (dict(prompt=[1], max_new_tokens=2, rounds_per_call=0), "rounds_per_call must be >= 1"),
-    (dict(prompt=[1], max_new_tokens=2, spec="nextn", rounds_per_call=0), "rounds_per_call must be >= 1"),
+    (dict(prompt=[1], max_new_tokens=2, rounds_per_call=0), "rounds_per_call must be an integer >= 1"),
+    (dict(prompt=[1], max_new_tokens=2, spec="nextn", rounds_per_call=0), "rounds_per_call must be an integer"),
     (dict(prompt=[1], max_new_tokens=2, temperature=-1.0), "temperature"),
+    (dict(prompt=[1], max_new_tokens="10"), "max_new_tokens must be an integer >= 1, got '10'"),
+    (dict(prompt=[1], max_new_tokens=2, seed=2**70), r"seed must be an integer in \[0, 2\*\*63\)"),
+    (dict(prompt=[1], max_new_tokens=2, seed=-1), "seed"),
+    (dict(prompt=[1], max_new_tokens=2, temperature=1.0, top_k=10**9), "top_k .* at most the vocabulary's 512"),
+    (dict(prompt=[1], max_new_tokens=2, on_text="x"), "on_text must be a callable"),
+    (dict(prompt=[1], max_new_tokens=2, on_token=3), "on_token must be a callable"),
+    (dict(prompt="a\udcff", max_new_tokens=2), "not valid UTF-8"),
 ])
-def test_bad_requests(kwargs, error):
+def test_bad_requests(kwargs, error, monkeypatch):
+    """Refused before any program is built or run."""
+    model = _tiny()
+    monkeypatch.setattr(model, "step_programs", lambda *a, **k: pytest.fail("a program was built"))
+    monkeypatch.setattr(model, "spec_program", lambda *a, **k: pytest.fail("a program was built"))
     with pytest.raises(ValueError, match=error):
-        lingjax.generate(_tiny(), **kwargs)
+        lingjax.generate(model, **kwargs)
+
+
+def test_chat_roles_are_checked():
+    from lingjax.chat_template import ChatError
+
+    with pytest.raises(ChatError, match="role must be one of system, user, assistant, tool, got 'bogus'"):
+        lingjax.chat(_tiny(), [{"role": "bogus", "content": "hi"}], 2)
+
+
+def _poisoned(model, leaf: str):
+    """model's weights with the leaf whose path ends in `leaf` (the target's, not the MTP layer's) all NaN."""
+    import jax
+
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(model.params)]
+    (index,) = [i for i, p in enumerate(paths) if p.endswith(leaf) and "mtp" not in p]
+    model.weights = tuple(w * np.nan if i == index else w for i, w in enumerate(model.weights))
+    return model
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(spec="nextn", steps=2), dict(temperature=1.0),
+                                    dict(spec="nextn", steps=2, temperature=1.0)],
+                         ids=["greedy", "nextn", "sampled", "nextn sampled"])
+def test_nonfinite_logits_stop_generation_with_an_error(kwargs):
+    """NaN logits are flagged on the device with the tokens (lingjax.sampling.NONFINITE) and stop the generation
+    with an error, in the plain and the speculative loop, greedy and sampled; no token is returned."""
+    model = _poisoned(lingjax.load("tiny", dtype="float32", seed=3), "['final_norm'].value")
+    tokens = []
+    with pytest.raises(engine.NonFiniteLogits, match="NaN or infinite values at new token 1"):
+        lingjax.generate(model, _prompt(4), 4, on_token=tokens.append, **kwargs)
+    assert tokens == []
+
+
+def test_compile_time_is_reported_only_when_spent():
+    model = lingjax.load("tiny", dtype="float32", seed=5)
+    first = lingjax.generate(model, _prompt(3), 3, ignore_eos=True)
+    again = lingjax.generate(model, _prompt(3), 3, ignore_eos=True)
+    assert 0 < first.compile_s <= first.total_s and again.compile_s == 0.0
+    assert again.tokens == first.tokens
 
 
 def test_pallas_kernels_give_the_same_model():

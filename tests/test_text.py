@@ -122,7 +122,7 @@ def test_chat_template_renders_like_hf(ling_dir):
                     "<role>HUMAN</role>ça va?<|role_end|><role>ASSISTANT</role>")
     off = render(tok.chat_template, messages[:1], add_generation_prompt=False, enable_thinking=False)
     assert off == "<role>SYSTEM</role>detailed thinking off<|role_end|><role>HUMAN</role>hi<|role_end|>"
-    with pytest.raises(ChatError, match="unknown role"):
+    with pytest.raises(ChatError, match="role must be one of system, user, assistant, tool, got .robot."):
         render(tok.chat_template, [{"role": "robot", "content": "x"}])
     for bad in ([], [{"role": "user"}], [{"role": "user", "content": 3}], "hi"):
         with pytest.raises(ChatError):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from lingjax.execution import Exec
-from lingjax.sampling import SamplingParams, processed_logits
+from lingjax.sampling import SamplingParams, flag_nonfinite, processed_logits
 
 
 def _emit(drafts, n, bonus):
@@ -34,9 +34,9 @@ def _leading(accepted, limit) -> jax.Array:
 
 def greedy_accept(drafts: jax.Array, logits: jax.Array, ex: Exec = Exec(), limit=None):
     """Longest prefix of drafts equal to the target's argmax (at most `limit`), plus the target's bonus token."""
-    target = ex.argmax_vocab(logits)  # [S+1]
+    top, target = ex.max_argmax_vocab(logits)  # [S+1]
     n = _leading(drafts == target[:-1], _limit(drafts, limit))
-    return n, _emit(drafts, n, target[n])
+    return n, flag_nonfinite(_emit(drafts, n, target[n]), top)
 
 
 def target_only_accept(drafts: jax.Array, logits: jax.Array, key: jax.Array, params: SamplingParams, limit=None):
@@ -55,7 +55,7 @@ def target_only_accept(drafts: jax.Array, logits: jax.Array, key: jax.Array, par
     rejected = drafts[jnp.minimum(n, s - 1)]
     row = jnp.where((n < limit) & (jnp.arange(row.shape[0]) == rejected), -jnp.inf, row)
     bonus = jax.random.categorical(k_bonus, row).astype(jnp.int32)
-    return n, _emit(drafts, n, bonus)
+    return n, flag_nonfinite(_emit(drafts, n, bonus), jnp.max(logits, axis=-1))
 
 
 def rejection_accept(drafts: jax.Array, draft_probs: jax.Array, logits: jax.Array, key: jax.Array,
@@ -77,7 +77,7 @@ def rejection_accept(drafts: jax.Array, draft_probs: jax.Array, logits: jax.Arra
     use_residual = (n < limit) & (jnp.sum(residual) > 0)
     row = jnp.where(use_residual, jnp.log(residual), processed[n])
     bonus = jax.random.categorical(k_bonus, row).astype(jnp.int32)
-    return n, _emit(drafts, n, bonus)
+    return n, flag_nonfinite(_emit(drafts, n, bonus), jnp.max(logits, axis=-1))
 
 
 def accept(proposal, logits, key, params: SamplingParams, ex: Exec = Exec()):
