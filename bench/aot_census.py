@@ -10,7 +10,7 @@ variable.
 
 Why: every kernel of a step costs a few µs of latency on the H200 even inside a CUDA graph, so launches per step
 are a lever, and device time is scarce. This compiles what step_bench times (the T=1 decode and the speculative
-round, with the GPU compiler options of lingjax.runtime.step_jit and the Pallas kernels lowered through Triton)
+round, with the GPU compiler options of lingjax.execution.step_jit and the Pallas kernels lowered through Triton)
 and counts launches as step_bench does (common.launch_summary); it also lists the launches of the ENTRY
 computation and loop bodies by kind and by the model's named scope. The weights are abstract (shapes only), so
 Flash at any TP compiles on a laptop.
@@ -116,7 +116,9 @@ def step_model(args):
     from lingjax import sharding
     from lingjax.config import preset
     from lingjax.model import abstract_model
-    from lingjax.runtime import CompileOptions, Model, RunOptions
+    from lingjax.execution import CompileOptions
+    from lingjax.runtime import Model, RunOptions
+    from lingjax.spec import step as spec_step
 
     cfg = preset(args.model)
     options = RunOptions(kernels=args.kernels, tuning=tuning_for(args.kernel_option, cfg, args.tp),
@@ -151,7 +153,7 @@ def compile_programs(args, devices, say) -> list[tuple[str, str]]:
     _, decode = model.step_programs(sampling, args.rounds_per_call)
     programs = [(f"decode T=1, {args.rounds_per_call} per call", decode, (weights, cache, i32, i32, key)),
                 (f"spec round S={args.steps}, {args.rounds_per_call} per call",
-                 model.spec_program(drafter, sampling, args.rounds_per_call).round, ((weights, ()), state))]
+                 spec_step.spec_program(model, drafter, sampling, args.rounds_per_call).round, ((weights, ()), state))]
 
     options = xla_label(model.options.compile.xla_options) + tuning_label(model.options.tuning, model.cfg, model.tp)
     say(f"# aot_census: {args.model}, tp {args.tp}, kernels {model.kernels}{options}, jax {jax.__version__}, target "

@@ -8,7 +8,7 @@ floor and against bf16 weights in the same process, each at several tunings.
 (1) The MoE layer at T = 1 (routed_experts as the model's decode runs it: router, top 8 + shared expert, fused), at
     --tp's per-device width, fp8 against bf16: --layers layers of different weights, each with its own token (so
     each routes to other experts: cold), chained in one loop compiled as the step programs are
-    (lingjax.runtime.step_compiler_options). Per variant (MOE_VARIANTS: the decode's tiles, the previous reading of
+    (lingjax.execution.step_compiler_options). Per variant (MOE_VARIANTS: the decode's tiles, the previous reading of
     x, other ExpertTunings): µs per layer, its floor (the touched experts' and the router's bytes), the kernels'
     profiled times, the error against the reference on the weights dequantized to f32, and whether the decode's row
     is bit-equal to the same token's row in a verify (T = 6: route, then fused_experts at the default tiles: row
@@ -44,7 +44,7 @@ from lingjax.pallas import moe_experts
 from lingjax.pallas.linear import LinearTuning, plan, supports
 from lingjax.pallas.linear import linear as pallas_linear
 from lingjax.pallas.moe_experts import one_token_tiles
-from lingjax.runtime import step_compiler_options
+from lingjax.execution import step_compiler_options
 from moe_bench import loop_over_layers
 
 F32, BF16 = jnp.float32, jnp.bfloat16

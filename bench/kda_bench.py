@@ -220,7 +220,7 @@ def chain_harness(shape: KDAShape, rotations: int):
         """In-graph: per iteration, fn on each rotating input set (distinct buffers). The conv rings are carried
         (fn's third result), as the model's decode carries them: the kernel writes its ring in place, and a
         loop-invariant one XLA would copy before every call. compiler_options: the jit's (e.g. the step
-        programs', lingjax.runtime.step_compiler_options)."""
+        programs', lingjax.execution.step_compiler_options)."""
         @functools.partial(jax.jit, compiler_options=compiler_options)
         def run(xs):
             def body(i, carry):

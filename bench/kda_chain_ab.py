@@ -14,7 +14,7 @@ same --ts) adds fla's fused_recurrent_kda in both its forms. --profile adds a se
 in-graph figure: the chain kernel's own duration in the loop and the loop's other kernels per call (its set-up, once
 per loop); the rest of a call's time lies between the loop's launches, and the kernel time is what compares with
 fla's graph-captured figures. --graphs also times every tuning with its loop compiled as the step programs are
-(lingjax.runtime.step_compiler_options: command buffers around the loop too).
+(lingjax.execution.step_compiler_options: command buffers around the loop too).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def timed_rounds(runs, harness, xs_t, args, say) -> dict:
 
     timers = {key: timer(fn) for key, fn in runs.items()}
     if args.graphs:
-        from lingjax.runtime import step_compiler_options
+        from lingjax.execution import step_compiler_options
 
         for (label, t), fn in runs.items():
             timers[f"{label} (step graphs)", t] = timer(fn, step_compiler_options())

@@ -4,7 +4,7 @@
     python bench/kernel_stamps.py --tp 2              # a TP2 device's expert width (I = 384)
     python bench/kernel_stamps.py --smoke             # tiny preset, interpret mode (every stamp reads 0): a CPU check
 
-The profiler gives each launch's span; this gives its programs'. Through lingjax.pallas.instrumented, each probed
+The profiler gives each launch's span; this gives its programs'. Through lingjax.pallas.instrument.instrumented, each probed
 launch (the router's GEMV, the decode's up kernel, the down kernel) gets one more output holding, per program, its
 SM and (%globaltimer, %clock) at its start (before griddepcontrol.wait), after the wait, after the routed up
 programs' expert selection (the up kernel's `selected` hook) and at its end (after a CTA barrier: every thread's
@@ -40,7 +40,7 @@ from common import Report, add_options, config_of, heading, moe_layer_bytes, moe
 from lingjax import target
 from lingjax.pallas import moe_experts
 from lingjax.pallas.grid_dependency import wait_p
-from lingjax.runtime import step_compiler_options
+from lingjax.execution import step_compiler_options
 from moe_bench import make_layer
 
 PROBED = ("moe_router_gemv", "moe_up_select", "moe_down_combine")
@@ -87,8 +87,8 @@ def _store(ts_ref, pid, first, values):
     ts_ref[pl.ds(pid, 1), pl.ds(first, len(values))] = row
 
 
-class Probe(lingjax.pallas.Instrument):
-    """The instrument of lingjax.pallas.instrumented: the launches named in PROBED carry a stamp table each, and the
+class Probe(lingjax.pallas.instrument.Instrument):
+    """The instrument of lingjax.pallas.instrument.instrumented: the launches named in PROBED carry a stamp table each, and the
     decode's selection a stamp after it; `tables` collects (name, table) as the kernels are traced. Every other launch
     is the default instrument's."""
 
@@ -258,7 +258,7 @@ def main(argv=None):
           for l in range(n_layers)]
     want, _ = chained_layers(layers, xs, shape, interpret)(layers, xs)
     probe = Probe()
-    with lingjax.pallas.instrumented(probe):
+    with lingjax.pallas.instrument.instrumented(probe):
         probed = chained_layers(layers, xs, shape, interpret, probe)
         got, _ = probed(layers, xs)
         runs = [jax.device_get(probed(layers, xs)[1]) for _ in range(args.runs)]

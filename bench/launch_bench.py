@@ -7,7 +7,7 @@
 Under TP each all-reduce left out of the CUDA graphs splits XLA's graph, so a step is many graph launches plus
 all-reduces per device. This isolates those costs without the model: a chain of `layers` blocks, each a GEMV of
 the preset's hidden size (--model) through its own weight (so XLA keeps one kernel per block) followed, under TP,
-by a psum over the mesh; compiled with lingjax.runtime.step_jit (the step programs' command-buffer options). For
+by a psum over the mesh; compiled with lingjax.execution.step_jit (the step programs' command-buffer options). For
 each configuration it prints the device time per call (N calls back to back, one block at the end) and the host's
 dispatch time per call, both also per block, for:
 - weights as `layers` separate arrays or as one stacked array (the per-argument cost of a call);
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from common import Report, add_options, config_of, heading, parser
 from lingjax import sharding
-from lingjax.runtime import CompileOptions, step_jit
+from lingjax.execution import CompileOptions, step_jit
 
 
 def make_program(d: int, tp: int, layers: int, stacked: bool, whole: bool, repeat: int = 1, rows: int = 1):

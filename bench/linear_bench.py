@@ -7,7 +7,7 @@ step programs' setting) and on, per shape, over cold weights.
 For each projection of the model at --tp's per-device shape ([N, K], bf16 weights, x 16 bf16 rows, the lm_head's
 output f32), one program applies it to --copies weight copies (cold: the copies together are several times the L2)
 and is timed as the median of batches of calls dispatched back to back. Variants: XLA's GEMM compiled with the step
-programs' options (lingjax.runtime.step_compiler_options: autotuning off), the same with XLA's autotuning on
+programs' options (lingjax.execution.step_compiler_options: autotuning off), the same with XLA's autotuning on
 (xla_gpu_autotune_level=4), and the Pallas kernel at its default tiles and at --sweep's. Each row gives µs per
 projection, its byte floor (the weight read once at the read bandwidth measured at the start) and the ratio;
 `vs exact` is the relative error against x · Wᵀ in f32; `bits` says whether the kernel's decode row 0 (tokens = 1, x's row read alone)
@@ -28,7 +28,7 @@ from lingjax import target
 from lingjax.ops.linear import linear
 from lingjax.pallas.linear import LinearTuning, plan, supports
 from lingjax.pallas.linear import linear as pallas_linear
-from lingjax.runtime import step_compiler_options
+from lingjax.execution import step_compiler_options
 
 SWEEP = [  # (label, tuning): the kernel's other tiles, against the default
     ("N tile 64", LinearTuning(bn=64)),

@@ -12,7 +12,7 @@ of ROUTERS (RouterTuning values) alone, and with the align launch the expert ker
 the two-launch Pallas layer (route + fused_experts, which makes its own align plan; shared expert fused), the
 model's path (routed_experts as lingjax.model.MoE calls it: at T = 1 the up kernel routes the token, no select
 launch; above T = 1 the two launches), the model path with its loop compiled as the step programs are
-(lingjax.runtime.step_compiler_options: command buffers around the loop, programmatic dependent launch) and with
+(lingjax.execution.step_compiler_options: command buffers around the loop, programmatic dependent launch) and with
 those options but PDL off, and the model path's kernels one by one (profiled); (5) fused_experts' tiles
 (TILES: ExpertTuning values) in the two-launch layer: the up and down kernels' profiled times at T in {1, 4, 6},
 at the layer's width and at half of it (a device at twice the TP), and each tiling's rows checked bit-equal to
@@ -43,7 +43,7 @@ from lingjax.ops import moe as moe_ops
 from lingjax.pallas.moe_align import BLOCK_M, align_reference, moe_align
 from lingjax.pallas.moe_experts import ExpertTuning, fused_experts, routed_experts
 from lingjax.pallas.moe_router import RouterTuning, route
-from lingjax.runtime import CompileOptions, step_compiler_options
+from lingjax.execution import CompileOptions, step_compiler_options
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 ROUTERS = {  # label -> (RouterTuning fields, precision)
@@ -257,7 +257,7 @@ def whole_layers(run: Run, layers, bw: float, glue_per_t: dict) -> None:
         "model calls it (at T = 1 the up kernel routes the token, no select launch; above T = 1 the same as two "
         "launches); the loop's glue: the 1e-30 input update of each layer (one small fusion, not in the model), the "
         "router rows' figure at the same T; step options: the model path's loop compiled with "
-        "lingjax.runtime.step_compiler_options (the step programs' command buffers and programmatic dependent "
+        "lingjax.execution.step_compiler_options (the step programs' command buffers and programmatic dependent "
         "launch); PDL off: the same with xla_gpu_enable_pdl=false")
     say.table("T", "distinct experts", "floor µs", "XLA gather µs (x floor)", "Pallas two launches µs (x floor)",
               "Pallas model path µs (x floor)", "model path less the loop's glue µs (x floor)", "speed-up vs XLA",

@@ -23,7 +23,9 @@ import numpy as np
 
 import lingjax
 from common import Report, add_options, heading, parser
+import dspark_shapes
 from lingjax import engine
+from lingjax.spec import dspark_io
 
 
 def show_progress(done: int, total: int, started: float, tpot_ms: float) -> None:
@@ -92,7 +94,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="drafts per round with --spec (nextn: 3; dspark: the "
                     "drafter's block)")
     ap.add_argument("--draft", default="random", help="--spec dspark: the drafter, a directory or 'random' (the "
-                    "released Ling draft's shape, lingjax.spec.dspark.ling_shaped_config, for a preset)")
+                    "released Ling draft's shape, bench/dspark_shapes.py, for a preset)")
     ap.add_argument("--rounds-per-call", type=int, default=1,
                     help="speculative rounds (or decode steps without --spec) per device call")
     ap.add_argument("--prompt-len", type=int, default=8192)
@@ -113,8 +115,8 @@ def main(argv=None):
     if args.spec == "dspark":
         from lingjax.spec import dspark
 
-        draft = (dspark.random_dspark(dspark.ling_shaped_config(model.cfg), args.dtype) if args.draft == "random"
-                 else dspark.load_dspark(args.draft, args.dtype, model.cfg))
+        draft = (dspark.random_dspark(dspark_shapes.ling_shaped_config(model.cfg), args.dtype) if args.draft == "random"
+                 else dspark_io.load_dspark(args.draft, args.dtype, model.cfg))
         model = model.with_draft(draft)
     report(model, args, *run_requests(model, args))
 

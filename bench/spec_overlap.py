@@ -27,6 +27,7 @@ import lingjax
 from common import Report, add_options, heading, parser
 from lingjax import engine
 from lingjax.sampling import SamplingParams
+from lingjax.spec import step as spec_step
 
 
 def _spec_state(model, program, drafter, prompt, max_new):
@@ -120,7 +121,7 @@ def main(argv=None):
     plain, spec = guarded_runs(model, prompt, args, say)
 
     drafter = engine.make_drafter(model, "nextn", args.steps)
-    program = model.spec_program(drafter, SamplingParams())
+    program = spec_step.spec_program(model, drafter, SamplingParams())
     rounds = len(spec.accept_lens)
     dev_r, disp_r, block_r = time_rounds(model, program, drafter, prompt, rounds)
     loop_r = (spec.token_times_s[-1] - spec.ttft_s) / max(rounds - 1, 1)

@@ -10,7 +10,7 @@
     python bench/step_bench.py --model mid --kernels pallas --baseline df9e41e   # the regression guard
 
 For each TP size (random weights made shard by shard on the devices, the same weights at every size), kernel
-set and graph mode (--graphs whole puts the all-reduces inside the CUDA graphs: lingjax.runtime.CompileOptions):
+set and graph mode (--graphs whole puts the all-reduces inside the CUDA graphs: lingjax.execution.CompileOptions):
 the plain T=1 decode step and the speculative round (S drafts, verify width S+1), each timed as N steps
 dispatched back to back with one block at the end (median of 5 such batches; random weights, so the MTP drafts
 fail and every round commits one token). --rounds-per-call R runs R rounds (or decode steps) in each device call
@@ -55,10 +55,12 @@ from jax.sharding import PartitionSpec as P
 import lingjax
 from common import (FP8_MATRIX_BYTES, Report, add_options, heading, launch_summary, layer_bytes, parser, progress, read_bandwidth,
                     tuning_for, tuning_label, xla_label)
+import dspark_shapes
 from lingjax import engine, profiling
 from lingjax.config import MOE
-from lingjax.runtime import CompileOptions
+from lingjax.execution import CompileOptions
 from lingjax.sampling import SamplingParams
+from lingjax.spec import step as spec_step
 
 
 def step_bytes(model, distinct_per_layer, width: int, draft_forwards: int, ctx: int) -> float:
@@ -175,7 +177,7 @@ def time_round(model, args, prompt, rounds: int, spec: str = "nextn"):
     """The speculative round program at `rounds` per call -> time_program's result."""
     key = jax.random.key(0)
     drafter = engine.make_drafter(model, spec, args.steps if spec == "nextn" else None)
-    program = model.spec_program(drafter, SamplingParams(), rounds)
+    program = spec_step.spec_program(model, drafter, SamplingParams(), rounds)
 
     def prepare(n):  # the speculative state after the prompt
         return engine.spec_prefill(model, program, drafter, prompt, 6 * n * rounds, key)[1]
@@ -295,7 +297,7 @@ def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
     if args.dspark:  # a random drafter of the released Ling draft's shape, verifying its whole block
         from lingjax.spec import dspark
 
-        base = base.with_draft(dspark.random_dspark(dspark.ling_shaped_config(base.cfg, markov_topk=args.markov_topk),
+        base = base.with_draft(dspark.random_dspark(dspark_shapes.ling_shaped_config(base.cfg, markov_topk=args.markov_topk),
                                                     "bfloat16"))
     if base.draft is not None:  # --dspark's, or a checkpoint's own (the shipped model's)
         from lingjax.spec import dspark
@@ -310,7 +312,7 @@ def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
         # the verify of block + 1 rows, the propose (its network, the context cache, the Markov rows) and the
         # lm_head once more for the block's rows
         bytes_of["dspark"] = (step_bytes(base, distinct_d, block + 1, 0, args.prompt_len)
-                              + dspark.propose_bytes(draft_cfg, args.prompt_len, item)
+                              + dspark_shapes.propose_bytes(draft_cfg, args.prompt_len, item)
                               + base.cfg.vocab_size * base.cfg.hidden_size * item / tp)
         say(f"tp={tp}: DSpark drafter ({base.draft.source}): {base.draft.num_params() / 1e9:.3f} B params, "
             f"block {block}, markov_topk {draft_cfg.markov_topk}; distinct routed experts per MoE layer at "

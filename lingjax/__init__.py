@@ -25,7 +25,7 @@ _EXPORTS = {
     "generate": "lingjax.engine",
     "Model": "lingjax.runtime",
     "RunOptions": "lingjax.runtime",
-    "load": "lingjax.runtime",
+    "load": "lingjax.loading",
     "Tokenizer": "lingjax.tokenizer",
     "TokenizerError": "lingjax.tokenizer",
     "enable_compilation_cache": "lingjax.compilation_cache",

@@ -9,6 +9,7 @@ and the session goes on.
 
 from __future__ import annotations
 
+from lingjax import engine
 from lingjax.chat_template import ChatError
 
 PROMPT = "> "
@@ -21,7 +22,7 @@ class ChatSession:
         """generate(model, messages, on_text=..., **generation_kwargs) -> result with .text; lingjax.chat
         by default (a seam for tests)."""
         if generate is None:
-            from lingjax.engine import chat as generate
+            generate = engine.chat
         self.model = model
         self.system = system
         self.template_kwargs = dict(template_kwargs or {})

@@ -99,7 +99,7 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
 def _source(args):
     """(cfg, directory or None, source name, tokenizer or None), read without a weight."""
     from lingjax.config import PRESETS
-    from lingjax.runtime import resolve, source_tokenizer
+    from lingjax.loading import resolve, source_tokenizer
 
     if args.checkpoint is not None:
         name = str(args.checkpoint)
@@ -161,7 +161,8 @@ def _generation_kwargs(args) -> dict:
 def _draft(args, cfg, name: str):
     """(load's draft argument, the drafter's block size or None) for the source `name`, read without a weight."""
     from lingjax.shipped import is_default_checkpoint
-    from lingjax.spec.dspark import default_config, read_dspark_config
+    from lingjax.spec.dspark import default_config
+    from lingjax.spec.dspark_io import read_dspark_config
     from lingjax.spec.dspark_model import DSparkConfigError
 
     shipped = is_default_checkpoint(name)
@@ -187,21 +188,16 @@ def _draft(args, cfg, name: str):
 def _check_request(cfg, prompt_len: int, args, name: str) -> None:
     from lingjax import requests
 
-    for flag, value in (("--draft", args.draft), ("--widths", args.widths)):
-        if value is not None and args.spec != "dspark":
-            raise UsageError(f"{flag} has no effect without --spec dspark")
-    if args.widths is not None and args.steps is not None:
-        raise UsageError("give --steps (a fixed verify width) or --widths (chosen each round), not both")
+    if args.draft is not None and args.spec != "dspark":
+        raise UsageError("--draft has no effect without --spec dspark")
     args.draft_source, block = _draft(args, cfg, name) if args.spec == "dspark" else (None, None)
-    requests.check_generation(cfg, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, spec=args.spec,
-                              steps=args.steps, rounds_per_call=args.rounds_per_call,
-                              has_mtp=cfg.num_nextn_predict_layers > 0, draft_block=block, seed=args.seed)
-    if args.widths is not None:
-        try:
-            requests.check_widths(args.widths, block)
-        except ValueError as e:
-            raise UsageError(f"--{e}") from None
+    try:
+        requests.check_generation(cfg, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, spec=args.spec,
+                                  steps=args.steps, widths=args.widths, rounds_per_call=args.rounds_per_call,
+                                  has_mtp=cfg.num_nextn_predict_layers > 0, draft_block=block, seed=args.seed)
+    except ValueError as e:  # the widths' range names the flag, as the help spells it
+        raise UsageError(f"--{e}" if str(e).startswith("widths must") else str(e)) from None
     requests.check_stop_ids(args.stop_ids, cfg.vocab_size)
     _check_devices(cfg, args, name)
 
@@ -211,7 +207,8 @@ def _check_devices(cfg, args, name: str) -> None:
     from pathlib import Path
 
     from lingjax.memory import check_fits
-    from lingjax.runtime import DTYPES, weights_layout
+    from lingjax.dtypes import DTYPES
+    from lingjax.loading import weights_layout
     from lingjax.sharding import check_tp
 
     check_tp(cfg, args.tp)
@@ -368,7 +365,7 @@ def _amount(n: int, giga: str, mega: str) -> str:
 def cmd_info(args) -> int:
     from lingjax.model import abstract_model, param_count
     from lingjax.shipped import default_draft, is_default_checkpoint
-    from lingjax.spec.dspark import read_dspark_config
+    from lingjax.spec.dspark_io import read_dspark_config
 
     cfg, _, name, _ = _source(args)
     base = param_count(abstract_model(cfg, with_mtp=False))

@@ -22,15 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from lingjax import compile_watch, requests
-from lingjax.config import VERIFY_ROWS
+from lingjax.chat_template import render_for
 from lingjax.detokenize import TextStream
+from lingjax.requests import PREFILL_CHUNK
 from lingjax.runtime import Model
 from lingjax.sampling import NONFINITE, SamplingParams
-from lingjax.spec.step import read_output_row
+from lingjax.spec.step import SpecState, read_output_row
+from lingjax.spec import step as spec_step
+from lingjax.spec.drafters import NextnDrafter
+from lingjax.spec.width_schedule import WidthSchedule
 
-# Prompt tokens per prefill program (a power of two). Each chunk touches every routed expert, so each
-# reads all the weights: fewer, longer chunks read them fewer times (docs/engine.md).
-PREFILL_CHUNK = 2048
 MIN_CAPACITY = 256
 
 
@@ -82,14 +83,7 @@ def _pow2(n: int) -> int:
 def prefill_bucket(n: int) -> int:
     """Padded length of a prompt chunk: a power of two above VERIFY_ROWS, so a padded chunk always takes
     the chunked path (the decode-shaped path assumes every row is valid)."""
-    return max(2 * VERIFY_ROWS, _pow2(n))
-
-
-def check_prefill_chunk(tokens: int) -> int:
-    """The one validity check of a prefill chunk length: a power of two that takes the chunked path."""
-    if tokens & (tokens - 1) or tokens < prefill_bucket(1):
-        raise ValueError(f"prefill_chunk must be a power of two >= {prefill_bucket(1)}, got {tokens}")
-    return tokens
+    return max(requests.MIN_PREFILL_CHUNK, _pow2(n))
 
 
 def cache_capacity(prompt_len: int, max_new_tokens: int, step_width: int = 1, chunk: int = PREFILL_CHUNK) -> int:
@@ -160,8 +154,6 @@ def settle(in_flight) -> None:
 def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tokens: int, base_key,
                  chunk: int = PREFILL_CHUNK):
     """The prompt through the target and the drafter -> (first token b, the state of round 1)."""
-    from lingjax.spec.step import SpecState
-
     # a call of rounds_per_call rounds advances s by up to that many verify widths
     capacity = cache_capacity(prompt.size, max_new_tokens, (drafter.steps + 1) * program.rounds_per_call, chunk)
     cache, draft = model.new_cache(capacity), model.put(drafter.init(model.module, capacity))
@@ -182,7 +174,7 @@ def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafte
     """Yields each call's new tokens (the prefill's first token, then d_1..d_n, b' of each round the
     call ran), appending each round's accept length to accept_lens. drafters: verify width -> drafter (one for a
     fixed width); choose(report) -> the width of the next call, from the last report read (None before any)."""
-    programs = {w: model.spec_program(d, sampling, rounds_per_call) for w, d in drafters.items()}
+    programs = {w: spec_step.spec_program(model, d, sampling, rounds_per_call) for w, d in drafters.items()}
     widest = max(drafters)
     bonus, state = spec_prefill(model, programs[widest], drafters[widest], prompt, max_new_tokens, base_key, chunk)
     pending, pending_width, produced, report = bonus, None, 0, None
@@ -228,7 +220,7 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     tokens. spec="nextn" speculates with the MTP layer, `steps` drafts a round (5 unless given; greedy output
     is identical to spec=None); spec="dspark" with the model's DSpark drafter (model.draft; `steps` drafts of its
     block are verified, all of them unless given; or, with `widths` (verify widths, each compiled once), the host
-    picks each call's width from the drafter's confidences of earlier rounds: lingjax.spec.dspark.WidthSchedule);
+    picks each call's width from the drafter's confidences of earlier rounds: lingjax.spec.width_schedule.WidthSchedule);
     `drafter` plugs in any other drafter object. rounds_per_call > 1 runs that many
     speculative rounds (or plain decode steps) per device call: the host's fixed cost per call is shared and
     the tokens are the same either way. prefill_chunk: prompt tokens per prefill program, a power of two of at
@@ -246,24 +238,21 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     prompt = requests.check_prompt_ids(prompt, model.cfg.vocab_size)
     if drafter is not None and spec is not None:
         raise ValueError("give spec or drafter, not both")
-    if widths is not None and (spec != "dspark" or steps is not None):
-        raise ValueError("widths (verify widths chosen per round) go with spec='dspark' and no steps")
-    steps = requests.check_generation(model.cfg, prompt_len=prompt.size, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_k=top_k, top_p=top_p, spec=spec, steps=steps,
-                                      rounds_per_call=rounds_per_call, has_mtp=model.has_mtp,
-                                      draft_block=_draft_block(model), seed=seed)
-    check_prefill_chunk(prefill_chunk)
+    plan = requests.check_generation(model.cfg, prompt_len=prompt.size, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, top_k=top_k, top_p=top_p, spec=spec, steps=steps,
+                                     widths=widths, rounds_per_call=rounds_per_call, has_mtp=model.has_mtp,
+                                     draft_block=_draft_block(model), seed=seed, prefill_chunk=prefill_chunk)
     stops = stop_set(model, stop_ids, ignore_eos)
-    sampling = SamplingParams(temperature, top_k, top_p)
-    base_key = model.put(jax.random.key(seed))
+    sampling = SamplingParams(plan.temperature, plan.top_k, plan.top_p)
+    base_key = model.put(jax.random.key(plan.seed))
     accept_lens: list[int] = []
-    if widths is not None:
-        schedule = make_schedule(model, widths)
+    if plan.scheduled:
+        schedule = make_schedule(model, plan.widths)
         drafters = {w: model.draft.drafter(w - 1) for w in schedule.widths}
         choose = schedule.choose
     else:
-        if spec is not None:
-            drafter = make_drafter(model, spec, steps)
+        if plan.spec is not None:
+            drafter = make_drafter(model, plan.spec, plan.steps)
         drafters = {drafter.steps + 1: drafter} if drafter is not None else {}
         choose = lambda report: next(iter(drafters))  # noqa: E731
     stream = TextStream(tokenizer) if tokenizer is not None else None
@@ -273,10 +262,11 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     compiling = compile_watch.watch().total_s
     t0 = time.perf_counter()
     if not drafters:
-        steps_iter = _plain_steps(model, prompt, max_new_tokens, sampling, base_key, rounds_per_call, prefill_chunk)
+        steps_iter = _plain_steps(model, prompt, max_new_tokens, sampling, base_key, plan.rounds_per_call,
+                                  plan.prefill_chunk)
     else:
         steps_iter = _spec_steps(model, prompt, max_new_tokens, sampling, base_key, drafters, choose, accept_lens,
-                                 rounds_per_call, prefill_chunk)
+                                 plan.rounds_per_call, plan.prefill_chunk)
     tokens: list[int] = []
     times: list[float] = []
     stop_reason = "length"
@@ -347,7 +337,6 @@ def chat(model: Model, messages, max_new_tokens: int = 256, *, add_generation_pr
     """The assistant's next turn after `messages` ([{"role": "user", "content": "..."}, ...]): the model's chat
     template renders them (lingjax.chat_template.render; template_kwargs such as {"enable_thinking": False} reach the
     template), then generate(model, prompt, max_new_tokens, **kwargs)."""
-    from lingjax.chat_template import render_for
 
     text = render_for(model.tokenizer, model.source or "this model", messages,
                       add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
@@ -359,22 +348,17 @@ def _draft_block(model: Model) -> int | None:
 
 
 def make_schedule(model: Model, widths: Sequence[int]):
-    """The WidthSchedule of a DSpark generation over these verify widths (costs from the byte model)."""
-    from lingjax.spec.dspark import WidthSchedule
+    """The WidthSchedule of a DSpark generation over these checked verify widths (costs from the byte model)."""
 
-    block = _draft_block(model)
-    if block is None:
-        raise ValueError("widths need a DSpark drafter beside the model: lingjax.load(..., draft=DIR)")
-    return WidthSchedule.for_model(model.cfg, requests.check_widths(widths, block))
+    return WidthSchedule.for_model(model.cfg, tuple(widths))
 
 
-def make_drafter(model: Model, spec: str, steps: int | None):
-    """The drafter object of a spec method at `steps` drafts a round (checked as generate checks them): NEXTN's
-    MTP chain, or the model's DSpark drafter (model.draft)."""
-    steps = requests.check_generation(model.cfg, prompt_len=1, max_new_tokens=1, spec=spec, steps=steps,
-                                      has_mtp=model.has_mtp, draft_block=_draft_block(model))
+def make_drafter(model: Model, spec: str, steps: int | None = None):
+    """The drafter object of a spec method at `steps` drafts a round (None: lingjax.requests.default_steps), for a
+    request checked by lingjax.requests.check_generation: NEXTN's MTP chain, or the model's DSpark drafter
+    (model.draft)."""
+    steps = requests.default_steps(spec, _draft_block(model)) if steps is None else steps
     if spec == "dspark":
         return model.draft.drafter(steps)
-    from lingjax.spec.drafters import NextnDrafter
 
     return NextnDrafter(steps=steps)

@@ -1,5 +1,6 @@
-"""How a traced program runs: the kernel set, each Pallas kernel's tuning, and the tensor-parallel mesh axis
-when the program body runs inside shard_map (lingjax/sharding.py). Passed down explicitly, static under jit."""
+"""How a program runs. Exec: how a traced program runs (the kernel set, each Pallas kernel's tuning, and the
+tensor-parallel mesh axis when the program body runs inside shard_map, lingjax/sharding.py), passed down explicitly,
+static under jit. CompileOptions and step_jit: how the step programs compile on a GPU (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 import jax
 import jax.numpy as jnp
 
-from lingjax import kernels
+from lingjax import kernels, target
 
 
 class Tuning(Mapping):
@@ -110,3 +111,45 @@ class Exec:
         winner = jnp.argmax(pairs[..., 0], axis=0)  # the first maximum: the lowest shard (a NaN wins too)
         best = jnp.take_along_axis(pairs, winner[None, ..., None], axis=0)[0]
         return best[..., 0], best[..., 1].astype(jnp.int32)
+
+
+COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """How the step programs compile on a GPU (step_compiler_options); the defaults are the product's, the
+    rest is for A/B measurements (bench/step_bench.py --graph-collectives, --xla-option)."""
+
+    collectives_in_graphs: bool = False  # all-reduces inside the CUDA graphs (otherwise each splits a graph)
+    xla_options: tuple[tuple[str, object], ...] = ()  # more XLA debug options, (name, value) pairs
+
+    def __post_init__(self):
+        object.__setattr__(self, "xla_options", tuple((str(k), v) for k, v in self.xla_options))
+
+
+def step_jit(fun, compile_options: CompileOptions = CompileOptions(), **kwargs):
+    """jax.jit for a hot step program: on a GPU with step_compiler_options (docs/engine.md says why each is
+    set), elsewhere plain jax.jit."""
+    if target.platform() == "gpu":
+        kwargs["compiler_options"] = step_compiler_options(compile_options)
+    return jax.jit(fun, **kwargs)
+
+
+def step_compiler_options(compile_options: CompileOptions = CompileOptions()) -> dict:
+    """The GPU compiler options of the step programs: the whole step in CUDA graphs (loops and conditionals
+    included; collectives only with collectives_in_graphs), XLA's dot merger off (it would copy weights
+    to merge GEMMs of one input), programmatic dependent launch on (every Pallas kernel waits for its
+    producers: lingjax.pallas.grid_dependency), XLA's GEMM autotuning off (it picks a GEMM's algorithm by
+    timing, program by program, so a decode and a verify could round one shape two ways: row invariance
+    needs the choice to follow from the shape), then compile_options.xla_options. Also for a bench that
+    compiles its own loop the same way."""
+    return {
+        "xla_gpu_enable_command_buffer": COMMAND_BUFFERS + (",COLLECTIVES" if compile_options.collectives_in_graphs
+                                                            else ""),
+        "xla_gpu_graph_min_graph_size": 1,
+        "xla_gpu_dot_merger_threshold_mb": 0,
+        "xla_gpu_enable_pdl": True,
+        "xla_gpu_autotune_level": 0,
+        **dict(compile_options.xla_options),
+    }

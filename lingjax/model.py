@@ -38,20 +38,22 @@ from flax import nnx
 from lingjax.cache import KDACache, KDAStaged, MLACache, ModelCache
 from lingjax.config import KDA, MOE, VERIFY_ROWS, LingConfig
 from lingjax.execution import Exec
-from lingjax.quantization import Fp8Layout
+from lingjax.quantization import Fp8Layout, quantized_paths
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import linear as linear_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
-from lingjax.ops.fp8 import Fp8Array, dense, quantize_on_device, refine_scales_on_device
+from lingjax.ops.fp8 import Fp8Array, dense, device_block, quantize_on_device, refine_scales_on_device
 from lingjax.ops.norms import gated_rms_norm, rms_norm
 from lingjax.ops.rope import rope_interleaved
+from lingjax.sharding import path_keys
 
 F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
 class Paths:
+    small: bool  # decode/verify-shaped (T <= VERIFY_ROWS): row-wise ops on padded rows, Pallas linear, reductions
     kda_chunked: bool  # chunked KDA form (prefill) instead of the recurrence
     mla_absorbed: bool  # absorbed MLA (reads the latent cache directly)
     tokens: int  # T, the forward's new tokens
@@ -72,7 +74,7 @@ def paths_for(num_tokens: int, ex: Exec = Exec(), pad_small: bool = True) -> Pat
     small = num_tokens <= VERIFY_ROWS
     # (the experts op picks its own form: lingjax.ops.moe.experts gathers weights at small T and sorts the
     # pairs above; the Pallas grouped GEMMs serve every T)
-    return Paths(kda_chunked=not small, mla_absorbed=small,
+    return Paths(small=small, kda_chunked=not small, mla_absorbed=small,
                  tokens=num_tokens, rows=VERIFY_ROWS if small and pad_small else num_tokens, ex=ex)
 
 
@@ -83,11 +85,11 @@ def pad_rows(x: jax.Array, rows: int) -> jax.Array:
 linear = linear_ops.linear  # XLA's GEMM: at these widths it reads the weight at full bandwidth
 
 
-def narrow_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+def narrow_linear(x: jax.Array, w: jax.Array, paths: Paths) -> jax.Array:
     """linear for a weight of a few dozen outputs (KDA's beta, MLA's head gate: [H, D]). At decode and
     verify sizes (T <= VERIFY_ROWS) it is a multiply-reduce, which XLA emits as one reduction fusion, a
     fraction of the time its GEMM fusion takes at that shape (docs/engine.md)."""
-    return linear(x, w) if x.shape[0] > VERIFY_ROWS else linear_ops.dot_rows(x, w)
+    return linear_ops.dot_rows(x, w) if paths.small else linear(x, w)
 
 
 def project(x: jax.Array, w, paths: Paths, out_dtype=None) -> jax.Array:
@@ -95,7 +97,7 @@ def project(x: jax.Array, w, paths: Paths, out_dtype=None) -> jax.Array:
     "linear": the Pallas kernel's launch follows from the shape alone, so every program and process rounds a row
     alike, and an fp8 weight is read as fp8 (docs/engine.md). On prefill rows, where the GEMM is compute bound,
     XLA's GEMM (an fp8 weight dequantized to x's dtype)."""
-    if x.shape[0] <= VERIFY_ROWS:
+    if paths.small:
         return paths.op("linear")(x, w, out_dtype, tokens=paths.tokens)
     return linear(x, w, out_dtype)
 
@@ -117,7 +119,7 @@ def draw(key, shape, dtype, how: tuple) -> jax.Array:
 
 class ParamInit:
     """Random initialisation for presets, tests and fresh drafters (real weights come from a checkpoint). Each Param
-    keeps its distribution as metadata (`random`), so lingjax.runtime.random_model can draw the same
+    keeps its distribution as metadata (`random`), so lingjax.random_weights.random_model can draw the same
     kind of weights leaf by leaf, straight into their shards."""
 
     def __init__(self, rngs: nnx.Rngs, dtype):
@@ -136,7 +138,7 @@ class ParamInit:
 class Fp8Weight(nnx.Module):
     """A matrix parameter kept in fp8 on the device: `q` (float8_e4m3fn [..., N, K]) and its `scale` (float32, one
     per device block), two Params. w[...] is their lingjax.ops.fp8.Fp8Array, which the ops take in place of an
-    array; `q` keeps the distribution of the weight it quantizes (`random`), for lingjax.runtime.random_model."""
+    array; `q` keeps the distribution of the weight it quantizes (`random`), for lingjax.random_weights.random_model."""
 
     def __init__(self, q, scale, random=None, block: tuple[int, int] | None = None):
         self.q = nnx.Param(q, random=random, fp8_block=block)
@@ -156,7 +158,6 @@ def quantizer_block(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int
     """The blocks a weight of `shape` is quantized in by lingjax (random fp8 weights, a bf16 checkpoint quantized
     as it loads): the layout's, cut to divide the weight (lingjax.ops.fp8.device_block at TP 1), so the values are
     the same at every TP size; a TP size then only splits their scales (refine_scales)."""
-    from lingjax.ops.fp8 import device_block
 
     return device_block(shape, block)
 
@@ -210,7 +211,7 @@ class KDAAttention(nnx.Module):
         with jax.named_scope("kda_recurrence"):
             if paths.kda_chunked:  # rows == T: no padding rows to skip
                 with jax.named_scope("kda_gate"):
-                    b = narrow_linear(x, self.b_proj[...])  # [T, H]
+                    b = narrow_linear(x, self.b_proj[...], paths)  # [T, H]
                 f, width = proj[:t, 3 * p : 4 * p], conv_w.shape[1]
                 window = kda_ops.ring_window(ring, start, width)
                 q, k, v, g, beta, window = kda_ops.kda_prepare(qkv, f, b, window, *params, n_valid, **gate_cfg)
@@ -267,7 +268,7 @@ class MLAAttention(nnx.Module):
             o = core(q_nope, q_pe, latent, dense(self.kv_b_proj[...], x.dtype), positions, cfg.qk_head_dim**-0.5,
                      tokens=paths.tokens)
         with jax.named_scope("mla_out"):
-            gate = jax.nn.sigmoid(narrow_linear(x, self.g_proj[...]).astype(F32))  # [T, H]
+            gate = jax.nn.sigmoid(narrow_linear(x, self.g_proj[...], paths).astype(F32))  # [T, H]
             o = (o * gate[..., None]).astype(x.dtype).reshape(t, h * cfg.v_head_dim)
             y = row_linear(o, self.o_proj[...], paths)
         return y, MLACache(latent=latent), None
@@ -493,8 +494,6 @@ def abstract_model(cfg: LingConfig, dtype=jnp.bfloat16, with_mtp: bool | None = 
 def fp8_layout(cfg: LingConfig, tp: int = 1, with_mtp: bool | None = None, scale_fmt: str = "float32") -> Fp8Layout:
     """The layout of a model quantized by lingjax (random fp8 weights, a bf16 checkpoint quantized as it loads):
     every matrix lingjax.quantization.QUANTIZED_NAMES names, in the official 128 x 128 blocks, cut for tp."""
-    from lingjax.quantization import quantized_paths
-    from lingjax.sharding import path_keys
 
     state = nnx.state(abstract_model(cfg, with_mtp=with_mtp), nnx.Param)
     paths = [path_keys(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
@@ -503,7 +502,6 @@ def fp8_layout(cfg: LingConfig, tp: int = 1, with_mtp: bool | None = None, scale
 
 def param_count(model: LingModel) -> int:
     """The model's weights (an fp8 matrix counts its elements, not its scales)."""
-    from lingjax.sharding import path_keys
 
     state = nnx.state(model, nnx.Param)
     return sum(int(x.size) for path, x in jax.tree_util.tree_leaves_with_path(state) if path_keys(path)[-1] != "scale")

@@ -197,7 +197,7 @@ def peer_wait_us(kernels: list[Kernel], device: int = 0) -> float | None:
 
 def collective_gap_us(kernels: list[Kernel], device: int = 0) -> float:
     """Of `device`'s idle time in the trace, the gaps that end where a collective kernel starts or start
-    where one ends. Each all-reduce left out of the CUDA graphs splits them (lingjax.runtime.step_compiler_options),
+    where one ends. Each all-reduce left out of the CUDA graphs splits them (lingjax.execution.step_compiler_options),
     and with them inside the gaps stay (the all-reduce kernels as graph nodes): under TP these gaps can hold
     most of a round's idle time, so the census reports them apart (docs/measuring.md)."""
     total, end, ended_collective = 0.0, None, False

@@ -13,7 +13,8 @@ import dataclasses
 from typing import Any
 
 from lingjax.config import ConfigError
-from lingjax.ops.fp8 import BLOCK, SCALE_FORMATS
+from lingjax.ops.fp8 import BLOCK, SCALE_FORMATS, device_block
+from lingjax.sharding import param_spec
 
 EXCLUSION_KEYS = ("modules_to_not_convert", "ignored_layers")
 
@@ -98,8 +99,6 @@ class Fp8Layout:
 
     def device_block(self, path: tuple, shape: tuple[int, ...]) -> tuple[int, int]:
         """The (gn, gk) block of the weight at `path` of `shape` on the device at this layout's TP size."""
-        from lingjax.ops.fp8 import device_block
-        from lingjax.sharding import param_spec
 
         spec = tuple(param_spec(path)) + (None,) * len(shape)
         sharded = spec[len(shape) - 2:len(shape)]

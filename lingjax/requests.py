@@ -3,6 +3,8 @@ before the prompt reaches the device. Each raises ValueError with a message that
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -12,7 +14,11 @@ import numpy as np
 from lingjax.config import VERIFY_ROWS, LingConfig
 
 SPEC_METHODS = ("nextn", "dspark")
-DEFAULT_STEPS = 5
+DEFAULT_STEPS = 5  # NEXTN's drafts per round when a request names none
+# Prompt tokens per prefill program (a power of two). Each chunk touches every routed expert, so each
+# reads all the weights: fewer, longer chunks read them fewer times (docs/engine.md).
+PREFILL_CHUNK = 2048
+MIN_PREFILL_CHUNK = 2 * VERIFY_ROWS  # a chunk past the verify rows takes the chunked path
 
 
 MAX_SEED = 2**63  # seeds are int64 values
@@ -84,48 +90,95 @@ def check_widths(widths, draft_block: int) -> tuple[int, ...]:
     return tuple(sorted({int(w) for w in widths}))
 
 
+def check_prefill_chunk(tokens) -> int:
+    """A prefill chunk length: a power of two of at least MIN_PREFILL_CHUNK (a padded chunk then always takes the
+    chunked path; lingjax.engine.prefill_bucket)."""
+    if not is_int(tokens) or tokens & (tokens - 1) or tokens < MIN_PREFILL_CHUNK:
+        raise ValueError(f"prefill_chunk must be a power of two >= {MIN_PREFILL_CHUNK}, got {tokens!r}")
+    return int(tokens)
+
+
+def default_steps(spec: str, draft_block: int | None) -> int:
+    """The drafts per round when a request names none: DEFAULT_STEPS for NEXTN, the whole block for DSpark."""
+    return draft_block if spec == "dspark" else DEFAULT_STEPS
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationPlan:
+    """A checked request, all but its prompt: what lingjax.engine.generate runs. steps: drafts per round (0 without
+    spec, and with DSpark widths to choose from); widths: the verify widths a round may take (() without spec; steps + 1,
+    or the widths a DSpark request gave, for the host to choose from each round: lingjax.spec.width_schedule.WidthSchedule)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    spec: str | None
+    steps: int
+    widths: tuple[int, ...]
+    rounds_per_call: int
+    prefill_chunk: int
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the host picks each round's verify width (the request gave widths)."""
+        return self.spec is not None and self.steps == 0
+
+
 def check_generation(cfg: LingConfig, *, prompt_len: int, max_new_tokens: int, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, spec: str | None = None, steps: int | None = None,
-                     rounds_per_call: int = 1, has_mtp: bool | None = None, draft_block: int | None = None,
-                     seed: int = 0) -> int:
-    """Everything about a request but the prompt's ids; returns the drafts per round (0 without spec).
-    draft_block: the block size of the model's DSpark drafter (None: it has none). Options that would have no
-    effect are errors, so a typo never silently changes nothing."""
+                     widths: Sequence[int] | None = None, rounds_per_call: int = 1, has_mtp: bool | None = None,
+                     draft_block: int | None = None, seed: int = 0,
+                     prefill_chunk: int = PREFILL_CHUNK) -> GenerationPlan:
+    """Everything about a request but the prompt's ids -> its GenerationPlan. draft_block: the block size of the
+    model's DSpark drafter (None: it has none). Options that would have no effect are errors, so a typo never
+    silently changes nothing."""
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p, cfg.vocab_size)
-    check_seed(seed)
+    seed = check_seed(seed)
     if temperature == 0 and (top_k != 0 or top_p != 1.0):
         raise ValueError("top_k and top_p have no effect at temperature 0 (greedy); set a temperature > 0")
     if not is_int(rounds_per_call) or rounds_per_call < 1:
         raise ValueError(f"rounds_per_call must be an integer >= 1, got {rounds_per_call!r}")
+    prefill_chunk = check_prefill_chunk(prefill_chunk)
     if prompt_len + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) is past the "
                          f"model's maximum length of {cfg.max_position_embeddings} tokens")
+    plan = functools.partial(GenerationPlan, int(max_new_tokens), temperature, int(top_k), top_p, seed, spec,
+                             rounds_per_call=int(rounds_per_call), prefill_chunk=prefill_chunk)
+    if widths is not None and spec != "dspark":
+        raise ValueError("widths (verify widths chosen each round) have no effect without --spec dspark "
+                         "(spec='dspark')")
+    if widths is not None and steps is not None:
+        raise ValueError("give steps (a fixed verify width) or widths (chosen each round), not both")
     if spec is None:
         if steps is not None:
             raise ValueError("steps (drafts per speculative round) has no effect without spec; add spec='nextn' or "
                              "'dspark'")
-        return 0
+        return plan(0, ())
     if spec not in SPEC_METHODS:
         raise ValueError(f"spec must be one of {SPEC_METHODS} or None, got {spec!r}")
     if spec == "dspark":
         if draft_block is None:
             raise ValueError("spec='dspark' needs a DSpark drafter beside the model: load it with "
                              "lingjax.load(..., draft=DIR) (the CLI's --draft DIR)")
-        steps = draft_block if steps is None else steps
+        if widths is not None:
+            return plan(0, check_widths(widths, draft_block))
+        steps = default_steps(spec, draft_block) if steps is None else steps
         if not is_int(steps) or not 1 <= steps <= draft_block:
             raise ValueError(f"steps must be an integer in [1, {draft_block}] (the drafter's block size) with "
                              f"spec='dspark', got {steps!r}")
         if steps + 1 > VERIFY_ROWS:
             raise ValueError(f"a verify of {steps + 1} rows is past the kernels' {VERIFY_ROWS}: give steps <= "
                              f"{VERIFY_ROWS - 1}")
-        return int(steps)
-    steps = DEFAULT_STEPS if steps is None else steps
+        return plan(int(steps), (int(steps) + 1,))
+    steps = default_steps(spec, draft_block) if steps is None else steps
     if not is_int(steps) or not 1 <= steps <= VERIFY_ROWS - 1:
         raise ValueError(f"steps must be an integer in [1, {VERIFY_ROWS - 1}] (verify width steps+1 <= "
                          f"{VERIFY_ROWS}), got {steps!r}")
     if cfg.num_nextn_predict_layers < 1 or has_mtp is False:
         raise ValueError(f"spec={spec!r} needs the MTP layer (model.layers.{cfg.mtp_layer_id}.*), which this "
                          "model does not have; generate without spec")
-    return int(steps)
+    return plan(int(steps), (int(steps) + 1,))

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lingjax import target
+from lingjax.cache import KDACache
 from lingjax.config import KDA, LingConfig
 
 AXIS = "tp"
@@ -100,7 +101,6 @@ def check_tp(cfg: LingConfig, tp: int) -> None:
 
 def cache_spec(cache):
     """KDA states [H, K, V] and conv rings [N, 3, P] split by head; everything else replicated."""
-    from lingjax.cache import KDACache
 
     def spec(entry):
         if isinstance(entry, KDACache):

@@ -3,7 +3,7 @@ deviceless compile names others (`compile_for`).
 
 Three choices follow the platform: the kernel set "auto" resolves to (lingjax.kernels), whether Pallas
 runs in interpret mode (lingjax.pallas.resolve_interpret), and the GPU compiler options of the step
-programs (lingjax.runtime.step_jit); the tensor-parallel mesh takes its devices from here
+programs (lingjax.execution.step_jit); the tensor-parallel mesh takes its devices from here
 (lingjax.sharding). bench/aot_census.py compiles the step for H200s on a machine without one by
 naming the "gpu" platform and a topology's devices.
 """

@@ -11,7 +11,7 @@ import pytest
 
 import lingjax
 from conftest import FIXTURES
-from lingjax import checkpoint, cli, memory, runtime
+from lingjax import checkpoint, cli, loading, memory
 from lingjax.chat_repl import ChatSession
 
 
@@ -32,7 +32,7 @@ def no_model_work(monkeypatch):
     def model_work(*args, **kwargs):
         raise AssertionError("model work started before the request was refused")
 
-    monkeypatch.setattr(runtime, "random_model", model_work)
+    monkeypatch.setattr(loading, "random_model", model_work)
     monkeypatch.setattr(checkpoint, "load_safetensors", model_work)
     monkeypatch.setattr(checkpoint, "load_orbax", model_work)
 

@@ -17,9 +17,10 @@ from lingjax import engine
 from lingjax.checkpoint import CheckpointError
 from lingjax.ops.rope import rope_half
 from lingjax.sampling import SamplingParams
-from lingjax.spec import dspark
+from lingjax.spec import dspark, dspark_io, width_schedule
 from lingjax.spec.accept import rejection_accept
 from lingjax.spec.dspark_model import DSparkConfig, DSparkConfigError, block_attention
+from lingjax.spec import step as spec_step
 
 BLOCK = 6
 
@@ -102,8 +103,8 @@ def test_context_cache_holds_the_targets_features_of_committed_rows():
     prompt = _prompt(37, 1)  # a chunked prefill (37 > VERIFY_ROWS), then rounds
     greedy = lingjax.generate(model, prompt, 40, ignore_eos=True).tokens
     oracle = _oracle(model, prompt + greedy)
-    drafter = oracle.draft.drafter()
-    program = oracle.spec_program(drafter, SamplingParams())
+    drafter = oracle.draft.drafter(oracle.draft.cfg.block_size)
+    program = spec_step.spec_program(oracle, drafter, SamplingParams())
     _, state = engine.spec_prefill(oracle, program, drafter, np.asarray(prompt, np.int32), 40, jax.random.key(0))
     for _ in range(4):
         state, _ = program.round(program.weights, state)
@@ -207,8 +208,8 @@ def test_rejection_sampling_keeps_the_targets_distribution(limit):
 # ---- the checkpoint -------------------------------------------------------------------------------------
 def test_save_load_round_trip_and_spellings(tmp_path):
     draft = _random_model().draft
-    out = dspark.save_dspark(draft, tmp_path / "native")
-    back = dspark.load_dspark(out, "float32", _target().cfg)
+    out = dspark_io.save_dspark(draft, tmp_path / "native")
+    back = dspark_io.load_dspark(out, "float32", _target().cfg)
     assert back.cfg == draft.cfg
     for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(draft.params)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
@@ -216,7 +217,7 @@ def test_save_load_round_trip_and_spellings(tmp_path):
     # nested the SpecForge way
     from safetensors.numpy import load_file, save_file
 
-    tensors = {f"model.{k}": v for k, v in load_file(out / dspark.WEIGHTS_FILE).items()}
+    tensors = {f"model.{k}": v for k, v in load_file(out / dspark_io.WEIGHTS_FILE).items()}
     tensors["embed_tokens.weight"] = tensors["lm_head.weight"] = np.zeros((4, 4), np.float32)
     nested = tmp_path / "nested"
     nested.mkdir()
@@ -224,7 +225,7 @@ def test_save_load_round_trip_and_spellings(tmp_path):
     raw = draft.cfg.to_hf()
     inner = {k: raw.pop(k) for k in ("target_layer_ids", "mask_token_id", "markov_rank")}
     (nested / "config.json").write_text(json.dumps({**raw, "dflash_config": inner}))
-    again = dspark.load_dspark(nested, "float32")
+    again = dspark_io.load_dspark(nested, "float32")
     assert again.cfg == draft.cfg
     assert all(np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(draft.params)))
@@ -258,8 +259,8 @@ def test_checkpoint_errors_name_the_tensor_and_file(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     draft = _random_model().draft
-    out = dspark.save_dspark(draft, tmp_path / "ok")
-    tensors = load_file(out / dspark.WEIGHTS_FILE)
+    out = dspark_io.save_dspark(draft, tmp_path / "ok")
+    tensors = load_file(out / dspark_io.WEIGHTS_FILE)
 
     def variant(name, tensors_):
         d = tmp_path / name
@@ -270,29 +271,29 @@ def test_checkpoint_errors_name_the_tensor_and_file(tmp_path):
 
     missing = variant("missing", {k: v for k, v in tensors.items() if k != "fc.weight"})
     with pytest.raises(CheckpointError, match="fc.weight: missing"):
-        dspark.load_dspark(missing)
+        dspark_io.load_dspark(missing)
     shaped = variant("shaped", {**tensors, "norm.weight": np.ones(3, np.float32)})
     with pytest.raises(CheckpointError, match=r"norm.weight \(model.safetensors\)"):
-        dspark.load_dspark(shaped)
+        dspark_io.load_dspark(shaped)
     extra = variant("extra", {**tensors, "layers.9.mlp.up_proj.weight": np.ones((2, 2), np.float32)})
     with pytest.raises(CheckpointError, match="layers.9.mlp.up_proj.weight"):
-        dspark.load_dspark(extra)
+        dspark_io.load_dspark(extra)
     wider = dataclasses.replace(_target().cfg, hidden_size=_target().cfg.hidden_size * 2)
     with pytest.raises(DSparkConfigError, match="shared"):
-        dspark.load_dspark(out, "float32", wider)
+        dspark_io.load_dspark(out, "float32", wider)
 
 
 # ---- verify widths chosen on the host ------------------------------------------------------------------
 def test_width_schedule_takes_the_best_expected_tokens_per_cost():
-    schedule = dspark.WidthSchedule((2, 5, 9), (1.0, 1.5, 2.5))
+    schedule = width_schedule.WidthSchedule((2, 5, 9), (1.0, 1.5, 2.5))
     assert schedule.choose(None) == 9
     assert schedule.choose(np.full(8, 0.95)) == 9  # 8.6 / 2.5 beats 4.8 / 1.5 and 1.95
     assert schedule.choose(np.array([0.5, 0.1, 0.01, 0.001, 0, 0, 0, 0])) == 2
     assert schedule.choose(np.array([0.9, 0.8, 0.7, 0.05, 0.01, 0, 0, 0])) == 5
-    flash = dspark.WidthSchedule.for_model(lingjax.config.preset("flash"), (2, 5, 9))
+    flash = width_schedule.WidthSchedule.for_model(lingjax.config.preset("flash"), (2, 5, 9))
     assert flash.costs[0] < flash.costs[1] < flash.costs[2]  # more rows touch more experts
     with pytest.raises(ValueError, match="increasing"):
-        dspark.WidthSchedule((5, 2), (1.0, 1.0))
+        width_schedule.WidthSchedule((5, 2), (1.0, 1.0))
 
 
 def test_widths_switching_every_call_stay_lossless(monkeypatch):
@@ -308,7 +309,7 @@ def test_widths_switching_every_call_stay_lossless(monkeypatch):
         used.append(self.widths[len(used) % len(self.widths)])
         return used[-1]
 
-    monkeypatch.setattr(dspark.WidthSchedule, "choose", cycle)
+    monkeypatch.setattr(width_schedule.WidthSchedule, "choose", cycle)
     result = lingjax.generate(oracle, prompt, 48, ignore_eos=True, spec="dspark", widths=(3, BLOCK + 1))
     assert result.tokens == plain
     assert set(used) == {3, BLOCK + 1}

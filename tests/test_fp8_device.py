@@ -99,7 +99,8 @@ def test_fp8_at_tp8_matches_tp1():
     the expert width's shards of 4) gives TP1's logits."""
     from lingjax.config import PRESETS
     from lingjax.model import fp8_layout
-    from lingjax.runtime import Model, RunOptions, random_model
+    from lingjax.random_weights import random_model
+    from lingjax.runtime import Model, RunOptions
     from lingjax.sharding import mesh_for
 
     cfg = LingConfig.from_hf({**PRESETS["tiny"], "num_attention_heads": 8, "num_key_value_heads": 8})

@@ -9,6 +9,7 @@ import lingjax
 from conftest import rel_err
 from lingjax import engine as engine
 from lingjax.config import VERIFY_ROWS
+from lingjax.spec import step as spec_step
 
 
 @functools.cache
@@ -138,7 +139,7 @@ def test_bad_requests(kwargs, error, monkeypatch):
     """Refused before any program is built or run."""
     model = _tiny()
     monkeypatch.setattr(model, "step_programs", lambda *a, **k: pytest.fail("a program was built"))
-    monkeypatch.setattr(model, "spec_program", lambda *a, **k: pytest.fail("a program was built"))
+    monkeypatch.setattr(spec_step, "SpecProgram", lambda *a, **k: pytest.fail("a program was built"))
     with pytest.raises(ValueError, match=error):
         lingjax.generate(model, **kwargs)
 

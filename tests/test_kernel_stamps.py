@@ -1,4 +1,4 @@
-"""bench/kernel_stamps.py: the probed T = 1 layer (through lingjax.pallas.instrumented) equals the unprobed one,
+"""bench/kernel_stamps.py: the probed T = 1 layer (through lingjax.pallas.instrument.instrumented) equals the unprobed one,
 and the report's arithmetic (spreads from the first GEMV program, per-program phases, layer periods, 32-bit
 wraparound) is right."""
 

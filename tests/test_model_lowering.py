@@ -27,6 +27,7 @@ from lingjax.runtime import Model, RunOptions
 from lingjax.shipped import DEFAULT_CHECKPOINT, DEFAULT_NAME
 from lingjax.sampling import SamplingParams
 from lingjax.spec.step import SpecState
+from lingjax.spec import step as spec_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -59,7 +60,7 @@ def _lowered_programs(cfg: LingConfig, capacity: int = 256, steps: int = 3):
         drafter = engine.make_drafter(model, "nextn", steps)
         draft = jax.eval_shape(lambda: drafter.init(model.module, capacity))
         state = SpecState(cache=cache, draft=draft, s=i32, bonus=i32, round=i32, key=key)
-        program = model.spec_program(drafter, SamplingParams())
+        program = spec_step.spec_program(model, drafter, SamplingParams())
         programs.append(("spec round", program.round, (program.weights, state)))
     return [(name, fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()) for name, fn, args in programs]
 
@@ -145,7 +146,7 @@ def test_step_programs_compile_without_gemm_autotuning():
     """The step programs pick each GEMM's algorithm by its shape, not by timing (XLA's autotuner times each
     program apart, so a decode and a verify could round one shape two ways): lossless bf16 speculation on the
     GPU depends on it (bench/results/embedded_h200_2026-12-03_final.md). An A/B option still overrides it."""
-    from lingjax.runtime import CompileOptions, step_compiler_options
+    from lingjax.execution import CompileOptions, step_compiler_options
 
     assert step_compiler_options()["xla_gpu_autotune_level"] == 0
     ab = CompileOptions(xla_options=(("xla_gpu_autotune_level", 4),))

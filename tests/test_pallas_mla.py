@@ -17,7 +17,7 @@ from lingjax.config import VERIFY_ROWS, LingConfig, preset
 from lingjax.engine import cache_capacity
 from lingjax.ops import mla
 from lingjax.pallas.mla_decode import MLATuning, mla_decode_attention, supports
-from lingjax.spec.drafters import NextnDrafter
+from lingjax.requests import DEFAULT_STEPS
 
 N, R, V, RANK = 16, 8, 16, 32  # nope, rope, value head dims and the latent rank (small; Flash: 128/64/128/512)
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-4}  # bf16: q and p in two bf16 halves each (~2^-16 per product)
@@ -110,7 +110,7 @@ def test_row_invariance(h, dtype):
 S = jax.ShapeDtypeStruct
 CONFIGS = ([(p.parent.name, 1) for p in sorted(FIXTURES.glob("*/config.json"))]
            + [("tiny", 1), ("tiny", 2)] + [(name, tp) for name in ("mid", "flash") for tp in (1, 2, 4, 8)])
-WIDTHS = [(VERIFY_ROWS, 1), (VERIFY_ROWS, 4), (1, 1), (NextnDrafter().steps + 1,) * 2]  # (rows, tokens)
+WIDTHS = [(VERIFY_ROWS, 1), (VERIFY_ROWS, 4), (1, 1), (DEFAULT_STEPS + 1,) * 2]  # (rows, tokens)
 CAPACITY = cache_capacity(prompt_len=8, max_new_tokens=32)
 
 

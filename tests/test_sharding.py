@@ -12,7 +12,7 @@ from lingjax import sharding
 from lingjax.checkpoint import save_safetensors
 from lingjax.config import PRESETS, LingConfig
 from lingjax.execution import Exec
-from lingjax.runtime import random_model
+from lingjax.random_weights import random_model
 
 
 @functools.cache

@@ -19,6 +19,7 @@ from lingjax.sampling import SamplingParams
 from lingjax.spec.accept import greedy_accept, target_only_accept
 from lingjax.spec.drafters import ReplayDrafter
 from lingjax.spec.step import SpecState
+from lingjax.spec import step as spec_step
 
 
 @functools.cache
@@ -89,7 +90,7 @@ def test_decode_and_verify_reduce_alike():
     drafter = engine.make_drafter(model, "nextn", 3)
     state = SpecState(cache=cache, draft=jax.eval_shape(lambda: drafter.init(model.module, 64)), s=i32, bonus=i32,
                       round=i32, key=key)
-    program = model.spec_program(drafter, SamplingParams(), 1)
+    program = spec_step.spec_program(model, drafter, SamplingParams(), 1)
     in_decode = _layer_reductions(jax.make_jaxpr(decode)(model.weights, cache, i32, i32, key).jaxpr)
     in_round = _layer_reductions(jax.make_jaxpr(program.round)(program.weights, state).jaxpr)
     assert in_decode, "no layer reductions found: the scope names changed?"
@@ -298,7 +299,7 @@ def test_host_loop_reads_only_through_host_read_and_runs_ahead(monkeypatch):
     model = _tiny()
     prompt = _prompt(9, 9)
     lingjax.generate(model, prompt, 30, ignore_eos=True, spec="nextn", steps=3)  # compile first
-    program = model.spec_program(engine.make_drafter(model, "nextn", 3), SamplingParams())
+    program = spec_step.spec_program(model, engine.make_drafter(model, "nextn", 3), SamplingParams())
     events, allowed = [], [False]
 
     def forbid(name):

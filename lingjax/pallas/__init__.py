@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lingjax import target
-from lingjax.pallas.grid_dependency import after_producers
+from lingjax.pallas import instrument
 
 _NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b [N, K]ᵀ
 
@@ -97,42 +97,15 @@ def dot_nt(a, b):
     return jax.lax.dot_general(a, b, _NT, precision=prec, preferred_element_type=jnp.float32)
 
 
-class Instrument:
-    """Measurement hooks inside the kernels (bench/kernel_stamps.py); this default changes nothing. launch() makes
-    every kernel's launch; selected() sees the expert the decode's up kernel selects (lingjax.pallas.moe_experts)."""
-
-    def launch(self, kernel, **kwargs):
-        """The launch of `kernel` (its raw body) with pl.pallas_call's keywords -> the callable on the operands."""
-        return pl.pallas_call(after_producers(kernel), **kwargs)
-
-    def selected(self, expert):
-        return expert
-
-
-_instrument = Instrument()
-
-
-@contextlib.contextmanager
-def instrumented(instrument: Instrument):
-    """Kernels traced inside the block launch through `instrument` (an Instrument subclass). Jitted entry points
-    keep the programs they traced before: instrument their unjitted forms (`fn.__wrapped__`)."""
-    global _instrument
-    saved, _instrument = _instrument, instrument
-    try:
-        yield instrument
-    finally:
-        _instrument = saved
-
-
 def pallas_call(kernel, **kwargs):
     """pl.pallas_call, its kernel first waiting for the kernels it depends on (lingjax.pallas.grid_dependency:
     safe under XLA's programmatic dependent launch). Every kernel of the package goes through here."""
-    return _instrument.launch(kernel, **kwargs)
+    return instrument.current().launch(kernel, **kwargs)
 
 
 def selected(expert):
-    """The expert a decode's up program selected, as the instrument sees it (Instrument.selected)."""
-    return _instrument.selected(expert)
+    """The expert a decode's up program selected, as the instrument sees it (lingjax.pallas.instrument)."""
+    return instrument.current().selected(expert)
 
 
 def scaled_k_loop(n_steps: int, bk: int, sub: int, zero: tuple, terms, scales=None, block_k: int = 0,

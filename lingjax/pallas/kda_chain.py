@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.config import VERIFY_ROWS
-from lingjax.pallas import pallas_call, pow2_tile, resolve_interpret
+from lingjax.pallas import is_pow2, pallas_call, pow2_tile, resolve_interpret
 
 F32 = jnp.float32
 
@@ -195,10 +195,6 @@ def _tiles(dv: int, tuning: ChainTuning) -> tuple[int, int]:
     return block_v, min(tuning.tiles_per_program, dv // block_v)
 
 
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 def supports(proj, x, b_proj, ring, start, conv_w, a_log, dt_bias, state, *, tokens, num_heads, safe_gate,
              lower_bound, tuning: ChainTuning = ChainTuning(), in_place: bool = True, interpret=None) -> str | None:
     """None when kda_chain_verify takes these arguments and lowers to Triton (only .shape and .dtype are
@@ -208,10 +204,10 @@ def supports(proj, x, b_proj, ring, start, conv_w, a_log, dt_bias, state, *, tok
         return f"chain-verify takes 1..{VERIFY_ROWS} tokens of the {proj.shape[0]} rows, not {tokens}"
     if dk != dv:
         return f"chain-verify needs equal key and value head dims, not {dk} and {dv}"
-    if not _is_pow2(dk):
+    if not is_pow2(dk):
         return f"KDA head dim {dk} is not a power of 2, as a Triton block must be"
     block_v, tiles = _tiles(dv, tuning)
-    if not _is_pow2(block_v) or dv % (block_v * tiles):
+    if not is_pow2(block_v) or dv % (block_v * tiles):
         return f"V tiles of {block_v} columns, {tiles} per program, do not split the head dim {dv}"
     return None
 

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import pallas_call, resolve_interpret
+from lingjax.pallas import is_pow2, pallas_call, resolve_interpret
 
 SUB = 16  # phase 1a's sub-chunk rows (D): sets the gate's bound (module docstring), so not a tuning choice
 
@@ -248,26 +248,22 @@ def _intra_chunk(q, k, v, g, beta, *, tuning: PrefillTuning, prec: _Prec, interp
                  shapes, q, k, v, g, beta, x, a, name="kda_prefill_prepare", num_warps=tuning.num_warps, **opts)
 
 
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 def supports(q, k, v, g, beta, state, *, tuning: PrefillTuning = PrefillTuning(), interpret=None) -> str | None:
     """None when kda_chunked_prefill takes these arguments and lowers to Triton (only .shape and .dtype are
     read), else the reason: the phases' blocks need power-of-2 sizes and their dots 16 or more per side
     (smaller dots lower and compile, but on the H200 their results can be wrong: docs/kernels/kda.md)."""
     dk, dv = k.shape[-1], v.shape[-1]
     c = tuning.chunk
-    if not (_is_pow2(c) and c >= SUB):
+    if not (is_pow2(c) and c >= SUB):
         return f"the prefill chunk {c} is not a power of 2 of at least {SUB}"
     for name, n in (("key", dk), ("value", dv)):
-        if not _is_pow2(n):
+        if not is_pow2(n):
             return f"KDA {name} head dim {n} is not a power of 2, as a Triton block must be"
     for name, n in _tiles(dk, dv, tuning).items():  # each a side of a dot
         if n < 16:
             what = f"KDA head dim {n}" if n == min(dk, dv) else f"the prefill tile {name} = {n}"
             return f"{what} is below the 16 a Triton dot needs"
-        if not _is_pow2(n):
+        if not is_pow2(n):
             return f"the prefill tile {name} = {n} is not a power of 2"
     return None
 

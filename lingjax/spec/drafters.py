@@ -76,7 +76,7 @@ class NextnDrafter(_NoParams):
     """NEXTN chain (topk = 1) with the checkpoint's MTP layer: S drafts from S-1 MTP forwards
     (d_1 comes from the previous round's draft-extend)."""
 
-    steps: int = 5
+    steps: int
 
     def init(self, module, capacity: int) -> NextnState:
         cfg = module.cfg

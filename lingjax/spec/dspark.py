@@ -12,31 +12,26 @@ Per round, inside the jitted round of lingjax.spec.step:
 The KDA state of the target is staged and committed by the round as for NEXTN: no replay.
 
 `DSpark` holds a loaded drafter (config, the network, its weights); `Model.draft` carries one beside a target,
-and `lingjax.generate(..., spec="dspark")` uses it.
+and `lingjax.generate(..., spec="dspark")` uses it. Its checkpoint files: lingjax.spec.dspark_io; the verify widths
+the host chooses each round: lingjax.spec.width_schedule.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lingjax.dtypes import dtype_of
 from lingjax.sampling import SamplingParams, processed_logits
 from lingjax.sharding import path_keys
 from lingjax.spec.drafters import Proposal, TargetRows
 from lingjax.spec.dspark_model import DSparkConfig, DSparkConfigError, DSparkDraft, abstract_draft
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
 @jax.tree_util.register_dataclass
@@ -48,7 +43,7 @@ class DSparkState:
 
 @functools.lru_cache(maxsize=16)
 def _graphdef(cfg: DSparkConfig, dtype: str):
-    return nnx.split(abstract_draft(cfg, DTYPES[dtype]))[0]
+    return nnx.split(abstract_draft(cfg, dtype_of(dtype)))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,17 +53,15 @@ class DSparkDrafter:
     stopping time of the draft's own confidences, so sampled rounds stay lossless: docs/dspark.md)."""
 
     cfg: DSparkConfig
-    dtype: str = "bfloat16"
-    steps: int = 0  # 0: block_size
+    dtype: str
+    steps: int
     min_survival: float = 1e-6
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        steps = self.steps or self.cfg.block_size
-        if not 1 <= steps <= self.cfg.block_size:
-            raise ValueError(f"a DSpark round verifies 1..{self.cfg.block_size} drafts (its block size), got {steps}")
-        object.__setattr__(self, "steps", steps)
+        dtype_of(self.dtype)
+        if not 1 <= self.steps <= self.cfg.block_size:
+            raise ValueError(f"a DSpark round verifies 1..{self.cfg.block_size} drafts (its block size), got "
+                             f"{self.steps}")
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -88,7 +81,7 @@ class DSparkDrafter:
     def init(self, module, capacity: int) -> DSparkState:
         c = self.cfg
         shape = (c.num_layers, capacity, c.num_kv_heads, c.head_dim)
-        return DSparkState(k=jnp.zeros(shape, DTYPES[self.dtype]), v=jnp.zeros(shape, DTYPES[self.dtype]))
+        return DSparkState(k=jnp.zeros(shape, dtype_of(self.dtype)), v=jnp.zeros(shape, dtype_of(self.dtype)))
 
     def _write_context(self, params, state: DSparkState, rows: TargetRows) -> DSparkState:
         positions = rows.start + jnp.arange(rows.features.shape[0], dtype=jnp.int32)
@@ -203,7 +196,7 @@ class DSpark:
         other.cfg = dataclasses.replace(self.cfg, markov_topk=topk)
         return other
 
-    def drafter(self, steps: int = 0, min_survival: float = 1e-6) -> DSparkDrafter:
+    def drafter(self, steps: int, min_survival: float = 1e-6) -> DSparkDrafter:
         return DSparkDrafter(self.cfg, self.dtype, steps, min_survival)
 
     def num_params(self) -> int:
@@ -211,7 +204,7 @@ class DSpark:
 
 
 def random_dspark(cfg: DSparkConfig, dtype: str = "bfloat16", seed: int = 0) -> DSpark:
-    return DSpark(DSparkDraft(cfg, dtype=DTYPES[dtype], rngs=nnx.Rngs(seed)), source=f"random (seed {seed})")
+    return DSpark(DSparkDraft(cfg, dtype=dtype_of(dtype), rngs=nnx.Rngs(seed)), source=f"random (seed {seed})")
 
 
 def default_config(target_cfg, block_size: int = 8, num_layers: int = 2, markov_rank: int = 64,
@@ -228,192 +221,3 @@ def default_config(target_cfg, block_size: int = 8, num_layers: int = 2, markov_
                         markov_rank=markov_rank, num_layers=num_layers, hidden_size=d, num_heads=heads,
                         num_kv_heads=heads, head_dim=d // heads, intermediate_size=max(64, (8 * d // 3) // 64 * 64),
                         vocab_size=target_cfg.vocab_size, rms_norm_eps=target_cfg.rms_norm_eps)
-
-
-# ---- checkpoint: config.json + model.safetensors --------------------------------------------------
-def tensor_names(cfg: DSparkConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
-    """checkpoint name -> (parameter path, shape): the one name table of a DSpark draft checkpoint."""
-    d, g, h, hd, i = cfg.hidden_size, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
-    table = {
-        "fc.weight": (("fc",), (d, cfg.feature_size)),
-        "hidden_norm.weight": (("hidden_norm",), (d,)),
-        "norm.weight": (("norm",), (d,)),
-        "markov_head.markov_w1.weight": (("markov_w1",), (cfg.vocab_size, cfg.markov_rank)),
-        "markov_head.markov_w2.weight": (("markov_w2",), (cfg.vocab_size, cfg.markov_rank)),
-        "confidence_head.proj.weight": (("confidence_w",), (1, d + cfg.markov_rank)),
-        "confidence_head.proj.bias": (("confidence_b",), (1,)),
-    }
-    for n in range(cfg.num_layers):
-        p = f"layers.{n}."
-        table.update({
-            p + "input_layernorm.weight": (("layers", n, "input_norm"), (d,)),
-            p + "self_attn.q_proj.weight": (("layers", n, "q_proj"), (h * hd, d)),
-            p + "self_attn.k_proj.weight": (("layers", n, "k_proj"), (g * hd, d)),
-            p + "self_attn.v_proj.weight": (("layers", n, "v_proj"), (g * hd, d)),
-            p + "self_attn.o_proj.weight": (("layers", n, "o_proj"), (d, h * hd)),
-            p + "self_attn.q_norm.weight": (("layers", n, "q_norm"), (hd,)),
-            p + "self_attn.k_norm.weight": (("layers", n, "k_norm"), (hd,)),
-            p + "post_attention_layernorm.weight": (("layers", n, "post_norm"), (d,)),
-            p + "mlp.gate_proj.weight": (("layers", n, "gate_proj"), (i, d)),
-            p + "mlp.up_proj.weight": (("layers", n, "up_proj"), (i, d)),
-            p + "mlp.down_proj.weight": (("layers", n, "down_proj"), (d, i)),
-        })
-    return table
-
-
-def save_dspark(draft: DSpark, out_dir: str | Path) -> Path:
-    """Write config.json and model.safetensors (the name table's names; dtype as held)."""
-    from safetensors.numpy import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    by_path = {path: name for name, (path, _) in tensor_names(draft.cfg).items()}
-    tensors = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(draft.params)):
-        tensors[by_path[path_keys(path)]] = np.asarray(jax.device_get(leaf))
-    (out / CONFIG_FILE).write_text(json.dumps({**draft.cfg.to_hf(), "torch_dtype": draft.dtype}, indent=2) + "\n")
-    save_file(tensors, str(out / WEIGHTS_FILE))
-    return out
-
-
-def read_dspark_config(directory: str | Path) -> DSparkConfig:
-    path = Path(directory) / CONFIG_FILE
-    if not path.is_file():
-        raise DSparkConfigError(f"{directory}: no {CONFIG_FILE} (not a DSpark draft checkpoint)")
-    try:
-        return DSparkConfig.from_hf(json.loads(path.read_text()))
-    except json.JSONDecodeError as e:
-        raise DSparkConfigError(f"{path}: not JSON ({e})") from None
-
-
-def load_dspark(directory: str | Path, dtype: str = "bfloat16", target_cfg=None) -> DSpark:
-    """A DSpark draft checkpoint -> DSpark. Every tensor is checked against the name table (missing, unexpected,
-    mis-shaped, a dtype other than F32/BF16) before any is read; a problem raises lingjax.checkpoint.CheckpointError
-    naming the tensor and the file. target_cfg: the target's config, checked against the draft's."""
-    from safetensors import safe_open
-
-    from lingjax.checkpoint import CheckpointError
-
-    directory = Path(directory)
-    cfg = read_dspark_config(directory)
-    if target_cfg is not None:
-        cfg.check_target(target_cfg)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{directory}: no .safetensors file")
-    table = tensor_names(cfg)
-    with contextlib.ExitStack() as stack:  # each file opened once: headers checked first, then the data read
-        handles = {f: stack.enter_context(safe_open(str(f), framework="flax")) for f in files}
-        where: dict[str, Path] = {}
-        stored: dict[str, str] = {}  # name without a leading "model." -> the name in its file
-        for f, handle in handles.items():
-            for key in handle.keys():
-                name = key.removeprefix("model.")
-                if name in where:
-                    raise CheckpointError(f"{name}: in both {where[name].name} and {f.name}")
-                where[name], stored[name] = f, key
-        # the shared embeddings and head may be stored with the draft: the target's are used
-        extra = sorted(set(where) - set(table) - {"embed_tokens.weight", "lm_head.weight"})
-        if extra:
-            raise CheckpointError(f"{extra[0]} ({where[extra[0]].name}): not a tensor of this DSpark config")
-        missing = sorted(set(table) - set(where))
-        if missing:
-            raise CheckpointError(f"{missing[0]}: missing from {directory}")
-        for name, (_, shape) in table.items():
-            sl = handles[where[name]].get_slice(stored[name])
-            if tuple(sl.get_shape()) != shape or sl.get_dtype() not in ("F32", "BF16"):
-                raise CheckpointError(f"{name} ({where[name].name}): {sl.get_dtype()} {sl.get_shape()}, expected "
-                                      f"F32 or BF16 {list(shape)}")
-        graphdef, state = nnx.split(abstract_draft(cfg, DTYPES[dtype]))
-        name_of = {path: name for name, (path, _) in table.items()}
-        pure = nnx.to_pure_dict(state)
-        leaves = []
-        for path, leaf in jax.tree_util.tree_leaves_with_path(pure):
-            name = name_of[path_keys(path)]
-            leaves.append(jnp.asarray(handles[where[name]].get_tensor(stored[name]), leaf.dtype))
-    nnx.replace_by_pure_dict(state, jax.tree.unflatten(jax.tree.structure(pure), leaves))
-    return DSpark(nnx.merge(graphdef, state), source=str(directory))
-
-
-# ---- verify widths chosen on the host -------------------------------------------------------------------
-# What a round costs besides its bytes (launches, the host's share): the default of WidthSchedule.for_model, in
-# seconds, and the bandwidth that turns bytes into seconds. A schedule built from measured round times replaces
-# both (WidthSchedule(widths, costs)).
-ROUND_OVERHEAD_S = 2e-4
-READ_BYTES_PER_S = 4.0e12
-
-
-def round_bytes(cfg, width: int, dtype_bytes: int = 2) -> float:
-    """The bytes a verify of `width` rows reads of a target (lingjax.config.LingConfig) at batch 1: every weight
-    but the embeddings and the MTP layer, with each MoE layer's routed experts counted at the expected number a
-    width of rows touches under uniform routing, E·(1 - (1 - k/E)^width): the term that makes a wider verify cost
-    more."""
-    from lingjax.config import MOE
-    from lingjax.model import abstract_model, param_count
-
-    d, e, k, i = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    moe_layers = sum(m == MOE for m in cfg.mlp_types)
-    expert = 3 * i * d
-    # every parameter but the embedding rows and the routed experts (the head stays)
-    dense = param_count(abstract_model(cfg, with_mtp=False)) - cfg.vocab_size * d - moe_layers * e * expert
-    distinct = e * (1 - (1 - k / e) ** width) if e else 0.0
-    return (dense + moe_layers * distinct * expert) * dtype_bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class WidthSchedule:
-    """The verify widths a DSpark generation may use (each compiled once) and each one's cost (a round's time, any
-    unit). Before each call the host takes the width w maximising (1 + Σ_{k<w} a_k) / cost(w), the expected tokens a
-    round emits per unit of time, from the latest survival probabilities a_k it has read: those of the round two
-    before (the host runs one call ahead). The width depends on earlier rounds only, so sampling stays lossless."""
-
-    widths: tuple[int, ...]
-    costs: tuple[float, ...]
-
-    def __post_init__(self):
-        if not self.widths or len(self.widths) != len(self.costs):
-            raise ValueError(f"a width schedule needs one cost per width, got {self.widths} and {self.costs}")
-        if any(w < 2 for w in self.widths) or list(self.widths) != sorted(set(self.widths)):
-            raise ValueError(f"verify widths are distinct, increasing and at least 2, got {self.widths}")
-        if any(not c > 0 for c in self.costs):
-            raise ValueError(f"costs must be > 0, got {self.costs}")
-
-    @classmethod
-    def for_model(cls, target_cfg, widths, overhead_s: float = ROUND_OVERHEAD_S,
-                  bandwidth: float = READ_BYTES_PER_S) -> WidthSchedule:
-        """Costs from the byte model (round_bytes at `bandwidth`) plus a fixed overhead a round."""
-        widths = tuple(sorted(set(int(w) for w in widths)))
-        return cls(widths, tuple(overhead_s + round_bytes(target_cfg, w) / bandwidth for w in widths))
-
-    def choose(self, survival) -> int:
-        """The width for the next call: the widest before any survival probabilities have been read."""
-        if survival is None:
-            return self.widths[-1]
-        gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.asarray(survival, np.float64))])
-        return max(self.widths, key=lambda w: gain[min(w - 1, len(gain) - 1)] / self.costs[self.widths.index(w)])
-
-
-def ling_shaped_config(target_cfg, block_size: int = 8, markov_topk: int = 0) -> DSparkConfig:
-    """A drafter of the released Ling-3.0-flash DSpark draft's published shape (docs/dspark.md: 5 layers of 32
-    heads of 128, MLP 6144, Markov rank 256, 8 drafts a block) for a target of any depth: the target layers are
-    Ling's 1, 11, 23, 29, 35 on a 42-layer target, spread the same way over another. For timing rounds with
-    random weights."""
-    n = target_cfg.num_hidden_layers
-    layers = (1, 11, 23, 29, 35) if n == 42 else tuple(sorted({min(n - 1, round(f * (n - 1))) for f in
-                                                              (1 / 41, 11 / 41, 23 / 41, 29 / 41, 35 / 41)}))
-    return DSparkConfig(block_size=block_size, target_layer_ids=layers, mask_token_id=target_cfg.vocab_size - 1,
-                        markov_rank=256, num_layers=5, hidden_size=target_cfg.hidden_size, num_heads=32,
-                        num_kv_heads=32, head_dim=128, intermediate_size=6144, vocab_size=target_cfg.vocab_size,
-                        rms_norm_eps=target_cfg.rms_norm_eps, markov_topk=markov_topk)
-
-
-def propose_bytes(cfg: DSparkConfig, ctx: int, itemsize: int = 2) -> float:
-    """The bytes a DSpark propose reads at batch 1 besides the target's lm_head: its layers, fc and norms, the
-    context keys and values of `ctx` positions, W1's rows of the γ previous tokens and W2's rows the Markov head
-    reads (all of it per draft, or markov_topk rows)."""
-    d, h, g, hd, i, r = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                         cfg.markov_rank)
-    layer = (h * hd * d + 2 * g * hd * d + d * h * hd + 3 * i * d) + 2 * hd + 2 * d
-    cache = cfg.num_layers * 2 * ctx * g * hd
-    w2_rows = cfg.markov_topk or cfg.vocab_size
-    return (cfg.num_layers * layer + d * cfg.feature_size + 2 * d + cache + cfg.block_size * (1 + w2_rows) * r) * itemsize

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from lingjax import cache as cache_lib
-from lingjax.runtime import check_rounds_per_call, steps_in_one_call
+from lingjax.runtime import Model, steps_in_one_call
 from lingjax.sampling import SamplingParams, sample
 from lingjax.spec.accept import accept
 from lingjax.spec.drafters import TargetRows
@@ -36,6 +36,16 @@ class SpecState:
     key: jax.Array  # base PRNG key
 
 
+def spec_program(model: Model, drafter, sampling: SamplingParams, rounds_per_call: int = 1) -> SpecProgram:
+    """The jitted speculative prefill and rounds of `model` for this drafter, sampling and rounds per call (a
+    checked request's: lingjax.requests.check_generation), built once per model and options, then reused
+    (Model.programs)."""
+    key = ("spec", drafter, sampling, rounds_per_call)
+    if key not in model.programs:
+        model.programs[key] = SpecProgram(model, drafter, sampling, rounds_per_call)
+    return model.programs[key]
+
+
 class SpecProgram:
     """Jitted prefill and rounds for one (model, drafter, sampling, rounds_per_call) combination;
     under TP each body runs inside shard_map (the drafter's state and weights are replicated).
@@ -45,7 +55,7 @@ class SpecProgram:
 
     def __init__(self, model, drafter, sampling: SamplingParams, rounds_per_call: int = 1):
         self.model, self.drafter, self.sampling = model, drafter, sampling
-        self.rounds_per_call = check_rounds_per_call(rounds_per_call)
+        self.rounds_per_call = rounds_per_call
         self.draft_params = drafter.params_of(model)
         rep = P()
         weight_specs = (model.weight_specs, jax.tree.map(lambda _: rep, self.draft_params))
