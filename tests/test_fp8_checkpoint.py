@@ -13,7 +13,8 @@ from safetensors.numpy import save_file
 
 from conftest import FIXTURES, rel_err
 from lingjax import checkpoint, cli
-from lingjax.checkpoint import INDEX_FILE, CheckpointError, _Files
+from lingjax.checkpoint import INDEX_FILE, CheckpointError
+from lingjax.checkpoint.safetensors import Files as _Files
 from lingjax.config import ConfigError, LingConfig
 from lingjax.ops import fp8
 from lingjax.quantization import Fp8Config

@@ -11,7 +11,8 @@ from flax import nnx
 import lingjax
 from conftest import FIXTURES, rel_err
 from lingjax import checkpoint, engine
-from lingjax.checkpoint import CheckpointError, _Files
+from lingjax.checkpoint import CheckpointError
+from lingjax.checkpoint.safetensors import Files as _Files
 from lingjax.config import LingConfig
 from lingjax.model import Fp8Weight
 from lingjax.ops import fp8

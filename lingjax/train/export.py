@@ -9,7 +9,7 @@ writes
 - model-0000k-of-0000N.safetensors, each at most max_shard_bytes, and model.safetensors.index.json;
 - with a tokenizer, its files (lingjax.train.bpe.save_tokenizer_files).
 
-Tensors follow `lingjax.checkpoint.tensor_table`, the name table the loader reads, in its order, with the
+Tensors follow `lingjax.checkpoint.names.tensor_table`, the name table the loader reads, in its order, with the
 official spellings (KDA `attention.o_proj.weight`, MLA `attention.dense.weight`, `mlp.gate.expert_bias`):
 per-expert and per-projection tensors are the slices of lingjax's stacked parameters, the MTP layer is
 `model.layers.{num_hidden_layers}.*`, and `lm_head.weight` is written explicitly (the embedding, when
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from lingjax.checkpoint import INDEX_FILE, TensorSpec, tensor_table
+from lingjax.checkpoint.names import INDEX_FILE, TensorSpec, tensor_table
 from lingjax.config import KDA, LingConfig
 from lingjax.train import forward
 from lingjax.train.model_config import EOS_TOKEN_IDS, PAD_TOKEN_ID
