@@ -24,6 +24,10 @@ from lingjax.model import abstract_model, param_count
 from lingjax.runtime import Model
 from lingjax.train import checkpointing, data, export, forward, model_config, optim, run, step
 from lingjax.train.checkpointing import CheckpointMismatch
+from lingjax.train.options import parse_args
+from lingjax.train.prepare import fingerprint, prepare_data
+from lingjax.train.report import Reporter
+from lingjax.train.trainer import run_identity
 
 STEPS = 20
 LR = 3e-3
@@ -94,7 +98,7 @@ def test_embedded_checkpoint_fits_on_disk(tmp_path):
         return jnp.asarray(rng.integers(0, 256, n, np.uint8).view(s.dtype).reshape(s.shape))
 
     state = jax.tree.map(random_bits, step.abstract_state(rc))
-    path = checkpointing.save(tmp_path, 1, state, {"run": run.run_identity(rc)})
+    path = checkpointing.save(tmp_path, 1, state, {"run": run_identity(rc)})
     assert optim.tree_bytes(state) <= checkpointing.dir_bytes(tmp_path) <= model_config.CHECKPOINT_DISK_BUDGET
     assert checkpointing.latest(tmp_path) == (1, path)
 
@@ -153,7 +157,7 @@ def test_checkpoint_round_trip_and_resume_equal_uninterrupted(tmp_path):
     batches = data.PackedBatches(_stream(), RC.batch, RC.seq_len, RC.seed)
     straight, _ = _train(step.init_state(RC), batches, range(6))
     first, _ = _train(step.init_state(RC), batches, range(3))
-    record = {"run": run.run_identity(RC), "data": {"fingerprint": "f"}}
+    record = {"run": run_identity(RC), "data": {"fingerprint": "f"}}
     checkpointing.save(tmp_path, 3, first, record)
     saved = jax.device_get(first)
     at, restored, got_record = checkpointing.restore(tmp_path, step.abstract_state(RC), expect=record)
@@ -170,11 +174,11 @@ def test_restore_refuses_another_run(tmp_path):
     import dataclasses
 
     state = step.init_state(RC)
-    record = {"run": run.run_identity(RC), "data": {"fingerprint": "aaaa"}}
+    record = {"run": run_identity(RC), "data": {"fingerprint": "aaaa"}}
     checkpointing.save(tmp_path, 1, state, record)
     other = dataclasses.replace(RC, optim=dataclasses.replace(RC.optim, lr=LR / 2))
     with pytest.raises(CheckpointMismatch, match=r"optim\.lr") as e:
-        checkpointing.restore(tmp_path, step.abstract_state(other), {**record, "run": run.run_identity(other)})
+        checkpointing.restore(tmp_path, step.abstract_state(other), {**record, "run": run_identity(other)})
     assert "\n" not in str(e.value)
     with pytest.raises(CheckpointMismatch, match="data fingerprint"):
         checkpointing.restore(tmp_path, step.abstract_state(RC), {**record, "data": {"fingerprint": "bbbb"}})
@@ -290,19 +294,19 @@ def test_command_runs_resumes_and_exports(command_run):
     assert [e["step"] for e in events if e["event"] == "eval"] == [1, 10, 20]
     assert [e["step"] for e in events if e["event"] == "summary"] == [1, 20]
     record = checkpointing.read_record(checkpointing.latest(out)[1])
-    assert record["run"] == run.run_identity(RC) and record["data"]["position"] == STEPS
+    assert record["run"] == run_identity(RC) and record["data"]["position"] == STEPS
     assert record["progress"]["calls"] == 2 and record["progress"]["tokens_seen"] == second["tokens_seen"]
 
 
 def test_command_data_comes_from_the_cache(command_run, capsys):
     """With cache/ in place the data is read from it, without the corpus: the same streams and fingerprint."""
     out, _, argv = command_run[:3]
-    rep = run.Reporter(out, 0.0)
-    cached = run.prepare_data(run.parse_args([str(a) for a in argv]), rep)
+    rep = Reporter(out, 0.0)
+    cached = prepare_data(parse_args([str(a) for a in argv]), rep)
     assert "data: cached streams" in capsys.readouterr().out
     record = checkpointing.read_record(checkpointing.latest(out)[1])
     assert cached.fingerprint == record["data"]["fingerprint"]
-    assert run.fingerprint(cached.train_tokens, cached.held_out_tokens, cached.held_out_bytes) == cached.fingerprint
+    assert fingerprint(cached.train_tokens, cached.held_out_tokens, cached.held_out_bytes) == cached.fingerprint
 
 
 def test_command_resume_equals_uninterrupted_steps(command_run):

@@ -68,7 +68,7 @@ def latest(run_dir: str | Path) -> tuple[int, Path] | None:
 def save(run_dir: str | Path, step: int, state: dict, record: dict) -> Path:
     """Write the state at `step` (blocking: the next train step donates these arrays) and the JSON record,
     then drop every other checkpoint. Returns the checkpoint's directory."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # here, for start-up time: orbax is slow to import; only save and restore need it
 
     root = (Path(run_dir) / CHECKPOINT_DIR).absolute()
     root.mkdir(parents=True, exist_ok=True)
@@ -119,7 +119,7 @@ def restore(run_dir: str | Path, target: dict, expect: dict | None = None) -> tu
     """(step, state, record) of the newest checkpoint; target: the state's abstract tree
     (lingjax.train.step.abstract_state), whose structure and dtypes the restored arrays take. With expect,
     check_identity first, before any array is read."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # here, for start-up time (see save)
 
     found = latest(run_dir)
     if found is None:

@@ -22,13 +22,14 @@ acceptance-aware term optimises it directly, which DSpark's per-row terms only b
 every later row's tokens; E prices that).
 
 Repeating the command with the same --out resumes the run to --steps (the run's options must match); the final
-step writes the drafter in its checkpoint layout (lingjax.spec.dspark.save_dspark) to --export (default
-RUN_DIR/export) and loads it back beside the target.
+step writes the drafter in its checkpoint layout (lingjax.spec.dspark_io.save_dspark) to --export (default
+RUN_DIR/export) and loads it back beside the target. The command's scaffolding (the parser base, the reporter,
+the error path, the time-limit rule, saving and evaluation) is lingjax.train.command's and lingjax.train.report's,
+shared with `python -m lingjax.train`; its data comes from lingjax.train.prepare's corpus, encoding and cache.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import hashlib
@@ -42,9 +43,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lingjax.config import VERIFY_ROWS
-from lingjax.train import checkpointing, corpus, data, forward, optim
-from lingjax.train import run as lm_run
+import lingjax
+from lingjax.checkpoint import load_safetensors
+from lingjax.config import VERIFY_ROWS, LingConfig
+from lingjax.shipped import default_checkpoint
+from lingjax.spec.dspark import DSpark, abstract_draft, default_config
+from lingjax.spec.dspark_io import load_dspark, save_dspark
+from lingjax.spec.dspark_model import DSparkDraft
+from lingjax.train import bpe, checkpointing, command, corpus, data, forward, optim, prepare
+from lingjax.train.command import EXPORT_DIR, SMOKE_PROMPT, CommandError
+from lingjax.train.report import Reporter
 
 PROG = "lingjax.train.dspark"
 F32 = jnp.float32
@@ -76,8 +84,6 @@ class DraftRunConfig:
 
 
 def draft_config(rc: DraftRunConfig, target_cfg):
-    from lingjax.spec.dspark import default_config
-
     cfg = default_config(target_cfg, block_size=rc.block_size, num_layers=rc.num_layers, markov_rank=rc.markov_rank,
                          mask_token_id=rc.mask_token_id)
     return dataclasses.replace(cfg, intermediate_size=rc.intermediate_size)
@@ -95,9 +101,6 @@ jax.tree_util.register_dataclass(Target, data_fields=["params", "biases"], meta_
 
 
 def load_target(directory: Path) -> Target:
-    from lingjax.checkpoint import load_safetensors
-    from lingjax.config import LingConfig
-
     cfg = LingConfig.from_file(directory / "config.json")
     model = load_safetensors(directory, cfg, F32)
     params, biases = forward.from_model(model, tied=False)
@@ -201,71 +204,64 @@ def programs(rc: DraftRunConfig, block_cfg, graphdef):
 
 def init_state(rc: DraftRunConfig, block_cfg) -> tuple[object, dict]:
     """(graphdef, state): f32 masters of a fresh drafter, the optimizer's state, the step and the rng."""
-    from lingjax.spec.dspark_model import DSparkDraft
-
     graphdef, st = nnx.split(DSparkDraft(block_cfg, dtype=F32, rngs=nnx.Rngs(rc.seed)))
     params = nnx.to_pure_dict(st)
     key = jax.random.fold_in(jax.random.key(rc.seed), 7)
     return graphdef, {"params": params, "opt": optim.build(rc.optim).init(params), "step": jnp.int32(0),
-                      "biases": jnp.zeros((1,), F32), "rng": jax.random.key_data(key)}  # (the checkpoint format has one)
+                      "biases": jnp.zeros((1,), F32),  # unused: the checkpoint format has biases
+                      "rng": jax.random.key_data(key)}
 
 
 # ---- the command ---------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise lm_run.RunError(message)
-
-
 def parse_args(argv):
+    """The command line -> (namespace, DraftRunConfig); every check that needs no data (CommandError on the first
+    failure). The namespace's target is resolved (the shipped model by default) and its roots parsed."""
     d = DraftRunConfig(target_sha="")
-    p = _Parser(prog=f"python -m {PROG}", description="Train a DSpark drafter for a target (docs/dspark.md).")
+    p = command.Parser(PROG, "Train a DSpark drafter for a target (docs/dspark.md).")
     p.add_argument("--target", type=Path, default=None, help="the target checkpoint (default: the shipped model)")
-    p.add_argument("--out", type=Path, required=True, help="the run directory (resumed when it holds a checkpoint)")
-    p.add_argument("--steps", type=int, default=d.optim.total_steps)
-    p.add_argument("--time-limit-s", type=float, default=None, help="stop early enough to save within this")
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_common("--out", help="the run directory (resumed when it holds a checkpoint)")
+    p.add_common("--steps", default=d.optim.total_steps)
+    p.add_common("--time-limit-s", help="stop early enough to save within this")
+    p.add_common("--batch", default=d.batch)
+    p.add_common("--seq-len", default=d.seq_len)
     p.add_argument("--anchors", type=int, default=d.anchors, help="blocks per sequence")
     p.add_argument("--block-size", type=int, default=d.block_size, help="γ, drafts a block proposes")
     p.add_argument("--layers", type=int, default=d.num_layers)
     p.add_argument("--markov-rank", type=int, default=d.markov_rank)
     p.add_argument("--intermediate", type=int, default=d.intermediate_size)
     p.add_argument("--mask-token-id", type=int, default=None)
-    p.add_argument("--lr", type=float, default=d.optim.lr)
-    p.add_argument("--warmup-steps", type=int, default=d.optim.warmup_steps)
+    p.add_common("--lr", default=d.optim.lr)
+    p.add_common("--warmup-steps", default=d.optim.warmup_steps)
     p.add_argument("--accept-weight", type=float, default=d.accept_weight)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=50)
+    p.add_common("--seed")
+    p.add_common("--log-every", default=50)
     p.add_argument("--init", type=Path, default=None, help="start from this drafter (a DSpark draft checkpoint of "
                    "the run's shape, its block size aside: no weight depends on it), e.g. to train the shipped one "
                    "further, or for longer blocks")
-    p.add_argument("--export", type=Path, default=None, help="write the drafter here at the end of this call "
-                   "(default: RUN_DIR/export, at the final step only)")
-    p.add_argument("--roots", nargs="+", default=None, metavar="LABEL=PATH")
+    p.add_common("--export", help="write the drafter here at the end of this call (default: RUN_DIR/export, at the "
+                 "final step only)")
+    p.add_common("--roots")
     a = p.parse_args(argv)
     for name in ("steps", "batch", "seq_len", "anchors", "block_size", "layers", "markov_rank", "intermediate",
                  "log_every"):
-        if getattr(a, name) < 1:
-            raise lm_run.RunError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+        command.at_least(f"--{name.replace('_', '-')}", getattr(a, name))
     if a.block_size + 1 > VERIFY_ROWS:
-        raise lm_run.RunError(f"--block-size {a.block_size}: the engine verifies at most {VERIFY_ROWS} rows (the "
-                              f"anchor and {VERIFY_ROWS - 1} drafts); give --block-size <= {VERIFY_ROWS - 1}")
+        raise CommandError(f"--block-size {a.block_size}: the engine verifies at most {VERIFY_ROWS} rows (the "
+                           f"anchor and {VERIFY_ROWS - 1} drafts); give --block-size <= {VERIFY_ROWS - 1}")
     if a.anchors > a.seq_len - a.block_size + 1:
-        raise lm_run.RunError(f"--anchors {a.anchors} does not fit a sequence of {a.seq_len} with blocks of "
-                              f"{a.block_size}")
+        raise CommandError(f"--anchors {a.anchors} does not fit a sequence of {a.seq_len} with blocks of "
+                           f"{a.block_size}")
     if not a.lr > 0:
-        raise lm_run.RunError(f"--lr must be > 0, got {a.lr}")
+        raise CommandError(f"--lr must be > 0, got {a.lr}")
     if a.target is None:
-        from lingjax.shipped import default_checkpoint
-
         a.target = default_checkpoint()
     if not (a.target / "config.json").is_file() or not (a.target / "tokenizer.json").is_file():
-        raise lm_run.RunError(f"--target {a.target}: needs config.json and tokenizer.json (an HF checkpoint)")
+        raise CommandError(f"--target {a.target}: needs config.json and tokenizer.json (an HF checkpoint)")
     if a.out.exists() and not a.out.is_dir():
-        raise lm_run.RunError(f"--out {a.out} is a file")
-    a.roots = lm_run.parse_roots(a.roots) if a.roots is not None else corpus.default_roots()
+        raise CommandError(f"--out {a.out} is a file")
+    a.roots = command.parse_roots(a.roots)
     if a.init is not None and not (a.init / "config.json").is_file():
-        raise lm_run.RunError(f"--init {a.init}: no config.json (not a DSpark draft checkpoint)")
+        raise CommandError(f"--init {a.init}: no config.json (not a DSpark draft checkpoint)")
     rc = DraftRunConfig(
         target_sha=weights_sha(a.target), block_size=a.block_size, num_layers=a.layers, markov_rank=a.markov_rank,
         intermediate_size=a.intermediate, mask_token_id=a.mask_token_id, batch=a.batch, seq_len=a.seq_len,
@@ -275,79 +271,90 @@ def parse_args(argv):
     return a, rc
 
 
-def streams(a, rep) -> tuple[np.ndarray, np.ndarray]:
-    """(train, held-out) token streams of the corpus under the target's tokenizer, cached in RUN_DIR/cache."""
-    from lingjax.train import bpe
-
+def streams(a, rep: Reporter) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) token streams of the corpus under the target's tokenizer, cached in RUN_DIR/cache
+    (lingjax.train.prepare's cache, under a key of its own); CommandError when either is under one window."""
     tok_sha = hashlib.sha256((a.target / "tokenizer.json").read_bytes()).hexdigest()
     key = hashlib.sha256(json.dumps({"tokenizer": tok_sha, "seed": a.seed, "format": "dspark/1",
                                      "roots": {k: str(Path(v).resolve()) for k, v in sorted(a.roots.items())}},
                                     sort_keys=True).encode()).hexdigest()
-    cached = lm_run.load_cache(a.out, key)
+    cached = prepare.load_cache(a.out, key)
     if cached is not None:
         rep.say(f"data: cached streams: {len(cached['train'])} train tokens, {len(cached['held_out'])} held out")
-        return cached["train"], cached["held_out"]
-    found = lm_run.collect_corpus(a.roots, rep)
-    tok = bpe.load_tokenizer(a.target)
-    train = lm_run.encode_stream(tok, data.shuffled_files(found.train, seed=a.seed), "train", rep)
-    held = lm_run.encode_stream(tok, found.held_out, "held-out", rep)
-    lm_run.save_cache(a.out, key, train.tokens, held.tokens, {})
-    return train.tokens, held.tokens
+        train, held = cached["train"], cached["held_out"]
+    else:
+        found = prepare.collect_corpus(a.roots, rep)
+        tok = bpe.load_tokenizer(a.target)
+        train = prepare.encode_stream(tok, data.shuffled_files(found.train, seed=a.seed), "train", rep).tokens
+        held = prepare.encode_stream(tok, found.held_out, "held-out", rep).tokens
+        prepare.save_cache(a.out, key, train, held, {})
+    for name, tokens in (("train", train), ("held-out", held)):
+        if tokens.size < a.seq_len + 1:
+            raise CommandError(f"the {name} stream holds {tokens.size} tokens, under one window of {a.seq_len + 1}: "
+                               f"give --roots with more source (held out: the stdlib packages "
+                               f"{', '.join(corpus.HELD_OUT_PACKAGES)})")
+    return train, held
 
 
-def export(a, rc: DraftRunConfig, block_cfg, graphdef, params, rep) -> Path:
+def initial_params(init: Path, target_cfg, block_cfg) -> dict:
+    """--init's drafter as f32 masters; CommandError when it is of another shape than the run's (block size
+    aside)."""
+    start = load_dspark(init, "float32", target_cfg)
+    if dataclasses.replace(start.cfg, block_size=block_cfg.block_size) != block_cfg:
+        raise CommandError(f"--init {init} is a drafter of another shape ({start.cfg}) than this run's ({block_cfg})")
+    return jax.tree.map(lambda p: jnp.asarray(p, F32), nnx.to_pure_dict(start.params))
+
+
+def train(a, rc: DraftRunConfig, rep: Reporter, step_fn, state: dict, target: Target, batches, start: int):
+    """The steps of this call, from start to the final step or the time limit (command.TimeBudget, its end
+    estimated by the time so far); a log line every --log-every steps. -> (state, the step reached)."""
+    total = rc.optim.total_steps
+    budget = command.TimeBudget(a.time_limit_s)
+    step, tick, last = start, time.perf_counter(), None
+    while step < total and not budget.exhausted(step - start, rep.elapsed):
+        state, metrics = step_fn(state, target, jnp.asarray(batches.batch(step)))
+        step += 1
+        if step % a.log_every == 0 or step == total:
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            now = time.perf_counter()
+            rate = (step - (last or start)) * rc.batch * rc.seq_len / (now - tick)
+            rep.report("train", f"step {step}: loss {m['loss']:.4f} ce {m['ce']:.3f} l1 {m['l1']:.3f} bce "
+                       f"{m['bce']:.3f} E[accept] {m['expected_accept']:.2f} greedy run {m['greedy_run']:.2f} "
+                       f"predicted {m['predicted_accept']:.2f} | {rate / 1e3:.0f}k tok/s", step=step, **m)
+            tick, last = now, step
+    return state, step
+
+
+def export(a, block_cfg, params, rep: Reporter) -> Path:
     """The drafter in its checkpoint layout (bf16), loaded back beside the target as a check."""
-    import lingjax
-    from lingjax.spec import dspark
-
-    out = a.export or a.out / "export"
-    bf16_graphdef, abstract = nnx.split(dspark.abstract_draft(block_cfg, jnp.bfloat16))
+    out = a.export or a.out / EXPORT_DIR
+    bf16_graphdef, abstract = nnx.split(abstract_draft(block_cfg, jnp.bfloat16))
     pure = jax.tree.map(lambda p, want: jnp.asarray(p, want.dtype), params, nnx.to_pure_dict(abstract))
-    dspark.save_dspark(dspark.DSpark(nnx.merge(bf16_graphdef, pure)), out)
+    save_dspark(DSpark(nnx.merge(bf16_graphdef, pure)), out)
     model = lingjax.load(a.target, draft=out)
-    prompt = "def quicksort(xs):"
-    result = lingjax.generate(model, prompt, 24, spec="dspark")
-    rep.say(f"export: {out}; greedy DSpark completion of {prompt!r}: {result.text!r}, mean accept length "
+    result = lingjax.generate(model, SMOKE_PROMPT, 24, spec="dspark")
+    rep.say(f"export: {out}; greedy DSpark completion of {SMOKE_PROMPT!r}: {result.text!r}, mean accept length "
             f"{result.mean_accept_len:.2f}")
     return out
 
 
+@command.one_line_errors(PROG)
 def main(argv=None) -> int:
+    """The command (module docstring); -> exit status: 0, or 2 after one `lingjax.train.dspark: error:` line."""
     t0 = time.perf_counter()
-    try:
-        a, rc = parse_args(argv)
-    except lm_run.RunError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    a, rc = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    rep = lm_run.Reporter(a.out, t0)
+    rep = Reporter(a.out, t0)
     target = load_target(a.target)
     block_cfg = draft_config(rc, target.cfg)
     graphdef, state = init_state(rc, block_cfg)
     if a.init is not None:
-        from lingjax.spec.dspark import load_dspark
-
-        start = load_dspark(a.init, "float32", target.cfg)
-        if dataclasses.replace(start.cfg, block_size=block_cfg.block_size) != block_cfg:
-            print(f"{PROG}: error: --init {a.init} is a drafter of another shape ({start.cfg}) than this run's "
-                  f"({block_cfg})", file=sys.stderr)
-            return 2
-        state["params"] = jax.tree.map(lambda p: jnp.asarray(p, F32), nnx.to_pure_dict(start.params))
+        state["params"] = initial_params(a.init, target.cfg, block_cfg)
     record = {"run": {**rc.to_json(), "optim": dataclasses.asdict(rc.optim)}}
     if checkpointing.latest(a.out) is not None:
-        try:
-            at, restored, _ = checkpointing.restore(a.out, state, expect={**record, "data": {}})
-        except checkpointing.CheckpointMismatch as e:
-            print(f"{PROG}: error: {e}", file=sys.stderr)
-            return 2
+        at, restored, _ = checkpointing.restore(a.out, state, expect={**record, "data": {}})
         state = {**restored, "step": jnp.int32(at)}
     train_tokens, held_tokens = streams(a, rep)
-    for name, tokens in (("train", train_tokens), ("held-out", held_tokens)):
-        if tokens.size < rc.seq_len + 1:
-            print(f"{PROG}: error: the {name} stream holds {tokens.size} tokens, under one window of "
-                  f"{rc.seq_len + 1}: give --roots with more source (held out: the stdlib packages "
-                  f"{', '.join(corpus.HELD_OUT_PACKAGES)})", file=sys.stderr)
-            return 2
     batches = data.PackedBatches(train_tokens, rc.batch, rc.seq_len - 1, rc.seed)  # [B, seq_len + 1] windows
     step_fn, eval_fn = programs(rc, block_cfg, graphdef)
     held = data.PackedBatches(held_tokens, rc.batch, rc.seq_len - 1, rc.seed + 1).batch(0)
@@ -355,30 +362,14 @@ def main(argv=None) -> int:
     start = int(jax.device_get(state["step"]))
     rep.say(f"drafter: {block_cfg}; {sum(x.size for x in jax.tree.leaves(state['params']))} parameters; "
             f"step {start} of {rc.optim.total_steps}")
-    step, tick, last = start, time.perf_counter(), None
-    while step < rc.optim.total_steps:
-        state, metrics = step_fn(state, target, jnp.asarray(batches.batch(step)))
-        step += 1
-        if step % a.log_every == 0 or step == rc.optim.total_steps:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            now = time.perf_counter()
-            rate = (step - (last or start)) * rc.batch * rc.seq_len / (now - tick)
-            rep.say(f"step {step}: loss {m['loss']:.4f} ce {m['ce']:.3f} l1 {m['l1']:.3f} bce {m['bce']:.3f} "
-                    f"E[accept] {m['expected_accept']:.2f} greedy run {m['greedy_run']:.2f} predicted "
-                    f"{m['predicted_accept']:.2f} | {rate / 1e3:.0f}k tok/s")
-            rep.event("train", step=step, **m)
-            tick, last = now, step
-        if a.time_limit_s is not None and rep.elapsed() > a.time_limit_s:
-            break
-    ev = {k: float(v) for k, v in jax.device_get(eval_fn(state["params"], target, jnp.asarray(held),
-                                                         held_anchors)).items()}
-    rep.say("held out: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
-    rep.event("eval", step=step, **ev)
-    checkpointing.save(a.out, step, state, {**record, "data": {}, "progress": {"held_out": ev}})
+    state, step = train(a, rc, rep, step_fn, state, target, batches, start)
+    (ev,), _ = command.evaluate(eval_fn, [(state["params"], target, jnp.asarray(held), held_anchors)])
+    ev = {k: float(v) for k, v in ev.items()}
+    rep.report("eval", "held out: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()), step=step, **ev)
+    command.save(rep, a.out, step, state, {**record, "data": {}, "progress": {"held_out": ev}})
     if step >= rc.optim.total_steps or a.export is not None:
-        export(a, rc, block_cfg, graphdef, state["params"], rep)
-    print(json.dumps({"step": step, "total": rc.optim.total_steps, "held_out": ev,
-                      "seconds": round(rep.elapsed(), 1)}))
+        export(a, block_cfg, state["params"], rep)
+    rep.last_line({"step": step, "total": rc.optim.total_steps, "held_out": ev, "seconds": round(rep.elapsed(), 1)})
     return 0
 
 

@@ -17,25 +17,35 @@ training ties them), since HF's model ties nothing. Every tensor is the master r
 nearest even, as forward.cast_params rounds it), except the ones the inference model keeps in f32 by design
 (conv taps, A_log, dt_bias, router biases), written in f32: lingjax.load(dir, dtype="float32") then holds
 exactly forward.to_model(cast_params(params, bf16), biases) (tests/test_train_model.py).
+
+`python -m lingjax.train` exports through export_and_check, which then loads the directory back with
+lingjax.load and prints its greedy completion of command.SMOKE_PROMPT (SMOKE_TOKENS tokens) as a check.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
+import lingjax
 from lingjax.checkpoint.names import INDEX_FILE, TensorSpec, tensor_table
 from lingjax.config import KDA, LingConfig
-from lingjax.train import forward
+from lingjax.train import checkpointing, forward
+from lingjax.train.bpe import save_tokenizer_files
+from lingjax.train.command import SMOKE_PROMPT
 from lingjax.train.model_config import EOS_TOKEN_IDS, PAD_TOKEN_ID
+from lingjax.train.report import Reporter, mb, since
 
 MAX_SHARD_BYTES = 16_000_000
 _HEADER_ALLOWANCE = 262_144  # bytes a shard's safetensors header may take beyond its data
 GENERATION_CONFIG = {"eos_token_id": EOS_TOKEN_IDS, "pad_token_id": PAD_TOKEN_ID}
+SMOKE_TOKENS = 16
 
 
 def official_name(spec: TensorSpec, cfg: LingConfig) -> str:
@@ -94,8 +104,6 @@ def export(out_dir: str | Path, params: dict, biases, config: dict, *, tokenizer
            max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     """Write the checkpoint directory (module docstring) for f32 masters params and biases [M, E] of the
     model config dict `config`; tokenizer: a `tokenizers.Tokenizer` or None. Returns the files written."""
-    from safetensors.numpy import save_file
-
     cfg = LingConfig.from_hf(config)
     if cfg.tie_word_embeddings:
         raise ValueError("the exported config must be untied (tie_word_embeddings false): HF ties no weights")
@@ -119,8 +127,6 @@ def export(out_dir: str | Path, params: dict, biases, config: dict, *, tokenizer
     _write_json(out / "generation_config.json", GENERATION_CONFIG)
     files += [INDEX_FILE, "config.json", "generation_config.json"]
     if tokenizer is not None:
-        from lingjax.train.bpe import save_tokenizer_files
-
         save_tokenizer_files(tokenizer, out, model_max_length=cfg.max_position_embeddings)
         files += ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
     return files
@@ -131,3 +137,23 @@ def shipped_bytes(cfg: LingConfig) -> int:
     keep = forward.f32_leaf_names(cfg)
     return sum(int(np.prod(s.shape)) * (4 if s.path[-1] in keep else 2)
                for s in tensor_table(cfg, bool(cfg.num_nextn_predict_layers)))
+
+
+def export_and_check(export_dir: Path, state: dict, config: dict, tok, rep: Reporter) -> str:
+    """export the state ({"params", "biases", ...}) of the model config dict `config` with the tokenizer, reload
+    it with lingjax.load and print the greedy completion of SMOKE_PROMPT; -> the completion's text."""
+    t = time.perf_counter()
+    files = export(export_dir, state["params"], state["biases"], config, tokenizer=tok)
+    rep.say(f"export: {len(files)} files ({mb(checkpointing.dir_bytes(export_dir))}) to {export_dir} in "
+            f"{since(t)}")
+    t = time.perf_counter()
+    model = lingjax.load(export_dir)
+    result = lingjax.generate(model, SMOKE_PROMPT, SMOKE_TOKENS)
+    rep.say(f"smoke: lingjax.load({str(export_dir)!r}) greedy {SMOKE_PROMPT!r} -> {result.text!r} "
+            f"({len(result.tokens)} tokens, {since(t)})")
+    return result.text
+
+
+def exported(path: Path) -> bool:
+    """Whether path holds an export (its safetensors index)."""
+    return (path / INDEX_FILE).exists()
