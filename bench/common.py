@@ -1,6 +1,8 @@
 """What the bench scripts share: the report, timing, byte floors, shapes from the presets, and the command-line
 options common to several scripts. Each script imports it from beside itself (`python bench/<script>.py` puts
-bench/ first on sys.path); the method behind the floors and timings is docs/measuring.md.
+bench/ first on sys.path); the method behind the floors and timings is docs/measuring.md. jax is imported where it
+is used, not here: the parser and the report also serve embedded_bench's `hf` mode, which runs in an interpreter
+that has torch and no jax.
 """
 
 from __future__ import annotations
@@ -14,16 +16,21 @@ import re
 import statistics
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from lingjax import kernels
 from lingjax.config import KDA, MOE, PRESETS, LingConfig, preset
 
-BF16, F32 = jnp.bfloat16, jnp.float32
+
+def __getattr__(name: str):
+    """BF16 and F32, jax's dtypes, imported on first use (the module docstring says why)."""
+    if name in ("BF16", "F32"):
+        import jax.numpy as jnp
+
+        return {"BF16": jnp.bfloat16, "F32": jnp.float32}[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- the report ---------------------------------------------------------------------------------------
@@ -58,6 +65,8 @@ class Report:
 
 def heading(say: Report, title: str) -> None:
     """The report's first lines: its title, then date, device, jax version and the command that ran."""
+    import jax
+
     dev = jax.devices()[0]
     say(f"# {title}")
     say(f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, {dev.device_kind} "
@@ -74,6 +83,8 @@ def progress(text: str) -> None:
 # ---- timing -------------------------------------------------------------------------------------------
 def median_seconds(fn, *args, reps: int) -> float:
     """Median wall time of fn(*args) to completion, after one untimed call (compilation)."""
+    import jax
+
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
@@ -87,6 +98,8 @@ def pipelined_seconds(fn, *args, calls: int = 10, reps: int = 5) -> float:
     """Median over `reps` batches of the wall time per call of `calls` calls of fn(*args) dispatched back to back
     with one wait at the end, after one untimed call: the host's dispatch overlaps the device's work, so a call's
     fixed host cost drops out where the device takes longer (median_seconds waits after every call)."""
+    import jax
+
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
@@ -102,15 +115,22 @@ def read_bandwidth(elements: int = 2 << 30, warm: int = 10, reps: int = 21) -> f
     """Read bandwidth in B/s: a bf16 array (4 GiB by default) summed in f32 (a step mostly reads weights), after
     `warm` untimed passes. Its result moves between processes and within one, so a bench that divides by it
     measures it twice and takes the larger (the stricter floor)."""
-    x = jnp.ones((elements,), BF16)
-    total = jax.jit(lambda a: jnp.sum(a, dtype=F32))
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((elements,), jnp.bfloat16)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
     for _ in range(warm):
         total(x).block_until_ready()
     return x.nbytes / median_seconds(total, x, reps=reps)
 
 
-def copy_bandwidth(nbytes: int, dtype=BF16, reps: int = 7) -> float:
-    """Copy bandwidth in B/s (bytes read + written): an array of nbytes scaled by 1.5."""
+def copy_bandwidth(nbytes: int, dtype=None, reps: int = 7) -> float:
+    """Copy bandwidth in B/s (bytes read + written): an array of nbytes (dtype, default bf16) scaled by 1.5."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.bfloat16 if dtype is None else dtype
     big = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
     return 2 * big.nbytes / median_seconds(jax.jit(lambda a: a * 1.5), big, reps=reps)
 
@@ -254,6 +274,8 @@ def default_tuning(op: str, cfg: LingConfig | None = None, tp: int = 1):
     """The tuning dataclass op's Pallas kernel runs with when given none: its `tuning` keyword's default, or, for
     the decode's routed experts, which choose their tiles by expert width, that choice at cfg's width on one of
     tp devices."""
+    from lingjax import kernels
+
     kernels.check_op_names("a kernel option", [op])
     default = inspect.signature(kernels.OPS[op].kernel()).parameters["tuning"].default
     if default is None and op == "moe_routed_experts":
@@ -290,6 +312,8 @@ def xla_option(text: str) -> tuple[str, object]:
 def kernel_option(text: str) -> tuple[str, str, object]:
     """OP:FIELD=VALUE from the command line: a field of op's tuning dataclass (OP in lingjax.kernels.OPS), VALUE as
     typed() reads it."""
+    from lingjax import kernels
+
     op, colon, rest = text.partition(":")
     name, sep, value = rest.partition("=")
     if not colon or not sep or not op or not name:
@@ -331,23 +355,29 @@ def xla_label(xla_options) -> str:
 
 
 # ---- the common command-line options ---------------------------------------------------------------------
-_OPTIONS = {
-    "model": dict(default="mid", help=f"a preset ({', '.join(sorted(PRESETS))}: random weights) or a checkpoint"),
-    "tp": dict(type=int, default=1, help="tensor-parallel size (devices)"),
-    "kernels": dict(default="auto", choices=kernels.CHOICES,
-                    help="auto (lingjax.load's default): Pallas on a GPU, the XLA references elsewhere"),
-    "dtype": dict(default="bfloat16", choices=("bfloat16", "float32")),
-    "router_precision": dict(default="f32", choices=("f32", "bf16")),
-    "weights": dict(default="dense", choices=("dense", "fp8"),
-                    help="dense: every weight in the model dtype; fp8: the matrices in fp8 (lingjax.load weights=)"),
-    "xla_option": dict(type=xla_option, action="append", default=[], metavar="xla_NAME=VALUE",
-                       help="an XLA debug option for the programs (repeatable: all at once)"),
-    "kernel_option": dict(type=kernel_option, action="append", default=[], metavar="OP:FIELD=VALUE",
-                          help="a field of an op's Pallas tuning (lingjax.kernels.OPS; e.g. kda_chain:block_v=16; "
-                               "repeatable: all at once)"),
-    "smoke": dict(action="store_true", help="tiny sizes, on any backend (interpret mode off the GPU): a script check"),
-    "out": dict(default=None, help="also write the markdown report to this file (rewritten after every line)"),
-}
+def _options() -> dict:
+    """The common options' argparse keywords, by name (a function: the kernel set's names import jax)."""
+    from lingjax import kernels
+
+    return {
+        "model": dict(default="mid", help=f"a preset ({', '.join(sorted(PRESETS))}: random weights) or a checkpoint"),
+        "tp": dict(type=int, default=1, help="tensor-parallel size (devices)"),
+        "kernels": dict(default="auto", choices=kernels.CHOICES,
+                        help="auto (lingjax.load's default): Pallas on a GPU, the XLA references elsewhere"),
+        "dtype": dict(default="bfloat16", choices=("bfloat16", "float32")),
+        "router_precision": dict(default="f32", choices=("f32", "bf16")),
+        "weights": dict(default="dense", choices=("dense", "fp8"),
+                        help="dense: every weight in the model dtype; fp8: the matrices in fp8 "
+                             "(lingjax.load weights=)"),
+        "xla_option": dict(type=xla_option, action="append", default=[], metavar="xla_NAME=VALUE",
+                           help="an XLA debug option for the programs (repeatable: all at once)"),
+        "kernel_option": dict(type=kernel_option, action="append", default=[], metavar="OP:FIELD=VALUE",
+                              help="a field of an op's Pallas tuning (lingjax.kernels.OPS; e.g. kda_chain:block_v=16; "
+                                   "repeatable: all at once)"),
+        "smoke": dict(action="store_true",
+                      help="tiny sizes, on any backend (interpret mode off the GPU): a script check"),
+        "out": dict(default=None, help="also write the markdown report to this file (rewritten after every line)"),
+    }
 
 
 def add_options(ap: argparse.ArgumentParser, *names: str, many: tuple[str, ...] = (), **defaults):
@@ -355,7 +385,7 @@ def add_options(ap: argparse.ArgumentParser, *names: str, many: tuple[str, ...] 
     out) to ap; those in `many` take one or more values (a list, run one after another); `defaults` overrides
     their defaults (a list for those in `many`)."""
     for name in names:
-        spec = dict(_OPTIONS[name])
+        spec = dict(_options()[name])
         if name in many:
             spec["nargs"] = "+"
             spec["default"] = [spec["default"]]
@@ -377,6 +407,8 @@ def cache_from_args(warm) -> str:
     global CACHE_NOTE
     from lingjax import compilation_cache
 
+    import jax
+
     if warm is None:
         os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
         jax.config.update("jax_compilation_cache_dir", None)
@@ -389,11 +421,13 @@ def cache_from_args(warm) -> str:
 
 
 class _BenchParser(argparse.ArgumentParser):
-    """Every bench's parser: --warm-cache, applied as the command line is parsed."""
+    """Every bench's parser: --warm-cache, applied as the command line is parsed (where jax is installed: without
+    it, as in embedded_bench's `hf` mode, there is no compilation cache to set)."""
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
-        cache_from_args(parsed.warm_cache)
+        if find_spec("jax") is not None:
+            cache_from_args(parsed.warm_cache)
         return parsed
 
 

@@ -6,11 +6,11 @@ The prompts are fixed by the files alone: each held-out standard-library file (l
 HELD_OUT_PACKAGES, which the model never saw) with a `def` line past its first 4 KB gives one prompt, the last
 --prompt-tokens tokens of the text up to the end of that line: code completion at a function's first line.
 
-    python bench/embedded_bench.py all --out bench/results/embedded_h200.md        # one interpreter, both engines
+    python bench/embedded_bench.py all --out bench/results/shipped/embedded_h200.md        # one interpreter, both engines
     # or in two interpreters (the CPU machines keep torch in their own virtualenv):
     python bench/embedded_bench.py prompts --out /tmp/p.json
     /path/to/torch/python bench/embedded_bench.py hf --prompts /tmp/p.json --out /tmp/hf.json
-    python bench/embedded_bench.py lingjax --prompts /tmp/p.json --hf /tmp/hf.json --out bench/results/x.md
+    python bench/embedded_bench.py lingjax --prompts /tmp/p.json --hf /tmp/hf.json --out bench/results/shipped/x.md
 
 TPOT is (time of the last new token - time of the first) / (new tokens - 1) on the host, per prompt, for both
 engines (EOS does not stop either: every prompt runs --new-tokens tokens); the table gives medians over the
@@ -19,7 +19,6 @@ prompts, after one untimed warm-up prompt per configuration. `hf` imports only t
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,6 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lingjax's light modules, also for `hf` (no jax)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also where this file is imported
+from common import parser  # noqa: E402  (bench/common.py imports no jax until it is used)
 from lingjax.shipped import DEFAULT_CHECKPOINT  # noqa: E402
 from lingjax.train.corpus import HELD_OUT_PACKAGES  # noqa: E402
 
@@ -203,7 +204,6 @@ def hf_table(say, lj: dict, hf: dict, new_tokens: int) -> None:
 
 
 def open_report(path: str | None, prompts: dict, command: str):
-    sys.path.insert(0, str(Path(__file__).parent))
     import jax
     from common import Report
 
@@ -218,7 +218,7 @@ def open_report(path: str | None, prompts: dict, command: str):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("what", choices=["all", "prompts", "hf", "lingjax"])
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     ap.add_argument("--prompts", help="prompts JSON (from `prompts`); made here when not given")
@@ -234,8 +234,6 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda", help="torch device for `hf` / `all`")
     ap.add_argument("--out", help="`prompts`/`hf`: the JSON written; `lingjax`/`all`: the markdown report")
-    ap.add_argument("--warm-cache", nargs="?", const=True, default=None, metavar="DIR",
-                    help="lingjax: use the persistent compilation cache (bench/common.py cache_from_args); default none")
     args = ap.parse_args(argv)
     command = "python bench/embedded_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else make_prompts(
@@ -248,9 +246,9 @@ def main(argv=None) -> None:
         Path(args.out).write_text(json.dumps(result))
         print(f"HF TPOT median {statistics.median(result['tpot_s']) * 1e3:.3f} ms", file=sys.stderr)
         return
-    from common import cache_from_args  # imports jax: not for `hf`
+    import common  # the compilation cache, set as the command line was parsed
 
-    cache_note = cache_from_args(args.warm_cache)
+    cache_note = common.CACHE_NOTE
     steps = [int(s) for s in args.steps.split(",") if s]
     lj = run_lingjax(prompts, args.checkpoint, args.new_tokens, args.dtype, steps, args.draft,
                      [int(s) for s in args.dspark_steps.split(",") if s],

@@ -1,7 +1,7 @@
 """What fp8 weights cost in accuracy on the shipped model: its bf16 checkpoint against its `lingjax convert --fp8`
 copy (docs/fp8.md), kept in fp8 on the device, the same compute dtype, in one process.
 
-    python bench/fp8_accuracy.py --out bench/results/fp8_accuracy_cpu.md
+    python bench/fp8_accuracy.py --out bench/results/fp8/fp8_accuracy_cpu.md
     python bench/fp8_accuracy.py --scale-fmt ue8m0 --max-bytes 200000 --count 4 --out /tmp/x.md
 
 - held-out bits per byte: the held-out standard-library packages (lingjax.train.corpus.HELD_OUT_PACKAGES, never
@@ -15,7 +15,6 @@ copy (docs/fp8.md), kept in fp8 on the device, the same compute dtype, in one pr
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import platform
@@ -27,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import embedded_bench  # noqa: E402
+from common import parser  # noqa: E402
 
 from lingjax.shipped import DEFAULT_CHECKPOINT  # noqa: E402
 
@@ -64,7 +64,7 @@ def bits_per_byte(model, ids: list[int], num_bytes: int, window: int) -> tuple[f
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--scale-fmt", choices=["float32", "ue8m0"], default="float32")

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import (FP8_MATRIX_BYTES, Report, heading, median_seconds, parser, pipelined_seconds, read_bandwidth, rel,
-                    tuning_label)
+from common import (FP8_MATRIX_BYTES, Report, add_options, heading, median_seconds, parser, pipelined_seconds,
+                    read_bandwidth, rel, tuning_label)
 from lingjax import profiling, target
 from lingjax.config import preset
 from lingjax.model import fp8_layout, quantizer_block
@@ -268,8 +268,7 @@ def main(argv=None):
     ap.add_argument("--copies", type=int, default=8, help="weight copies per projection program")
     ap.add_argument("--layers", type=int, default=4, help="MoE layers of different weights in the timed loop")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=None)
+    add_options(ap, "smoke", "out")
     args = ap.parse_args(argv)
     say = Report(args.out)
     cfg = preset("tiny" if args.smoke else "flash")

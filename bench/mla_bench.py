@@ -42,6 +42,7 @@ TUNINGS = {  # label -> MLATuning fields
     "s128": dict(splits=128),
     "s64 w8": dict(splits=64, num_warps=8),
 }
+SMOKE_TUNINGS = ("default", "s64")  # --smoke: the default and one other split count, each code path once
 BREAKDOWN = ("XLA (mla_absorbed)", "pallas default", "pallas stages 1")  # --breakdown profiles these
 
 
@@ -100,7 +101,7 @@ def bench_case(t, ctx, data, scale, bw, args, say, fails, breakdowns) -> None:
     floor_us = (visible * rank_r * 2 + w.nbytes + q_nope.nbytes + q_pe.nbytes + ROWS * h * v * 4) / bw * 1e6
     want = jax.jit(call(None, t, scale))(q_nope, q_pe, caches[0], w, positions)
     cases = [("XLA (mla_absorbed)", None)] + [(f"pallas {k}", dataclasses.replace(MLATuning(), **f))
-                                              for k, f in TUNINGS.items()]
+                                              for k, f in TUNINGS.items() if not args.smoke or k in SMOKE_TUNINGS]
     for label, tuning in cases:
         fn = call(tuning, t, scale)
         loop = timing_loop(fn, iters)
@@ -132,7 +133,7 @@ def main(argv=None):
                     help="also profile the BREAKDOWN rows: µs per kernel per call")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.model, args.capacity, args.contexts = "tiny", 64, [16, 40]
+        args.model, args.capacity, args.contexts = "tiny", 64, [40]
     cfg = config_of(args.model)
     scale = cfg.qk_head_dim**-0.5
     say = Report(args.out)

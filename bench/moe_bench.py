@@ -55,6 +55,7 @@ ROUTERS = {  # label -> (RouterTuning fields, precision)
     "select 2 warps": (dict(select_warps=2), "f32"),
     "default, bf16 precision": ({}, "bf16"),
 }
+SMOKE_ROUTERS = ("default", "default, bf16 precision")  # --smoke: each precision's path once
 # (up, down) ExpertTuning fields of the tile sweep, the first the defaults; the up tiles 32 x 256 and 64 x 256 at 3
 # stages are also the decode's (moe_experts.one_token_tiles at half and at full Flash width): the sweep's bit check
 # holds their T = 1 rows to the default tiles' T = 6 rows (row invariance)
@@ -222,6 +223,8 @@ def routers(run: Run, layers, bw: float) -> dict:
         xs = run.inputs(600, t)
         glue_s = glue_per_t[t] = median_seconds(glue, layers, xs, reps=run.reps) / (4 * run.n_iter * run.n_layers)
         for name, (fields, precision) in ROUTERS.items():
+            if run.smoke and name not in SMOKE_ROUTERS:
+                continue
             tuning = RouterTuning(**fields)
             with jax.default_matmul_precision("highest"):
                 want = moe_ops.route(xs[0], layers[0]["router"], layers[0]["bias"], precision=precision,
@@ -275,6 +278,9 @@ def whole_layers(run: Run, layers, bw: float, glue_per_t: dict) -> None:
         res = []
         for fn, opts in ((lambda x, p: xla_layer(x, p, shape), None), (lambda x, p: pallas_layer(x, p, shape), None),
                          (model_path, None), (model_path, step_opts[0]), (model_path, step_opts[1])):
+            if len(res) > 2 and opts is None:  # no GPU options to apply: the model path's figure again
+                res.append(res[2])
+                continue
             res.append(median_seconds(loop_over_layers(fn, run.n_iter, opts), layers, xs, reps=run.reps)
                        / (run.n_iter * run.n_layers))
         rows.append((t, dist, moe_layer_bytes(shape, dist), glue_per_t[t], res))
@@ -299,7 +305,7 @@ def tiles(run: Run, cfg, tp: int, layers) -> None:
     say("\n## fused_experts tiles: moe_up_swiglu / moe_down_combine kernel µs (profiled medians) in the two-launch "
         "layer; bits: every f32 output row bit-equal to the default tiles' at T = 6 (row invariance across tiles)")
     say.table("I", "T", "up tiles", "up µs", "down tiles", "down µs", "bits")
-    for shape in (run.shape, moe_shape(cfg, 2 * tp)):
+    for shape in (run.shape,) + (() if run.smoke else (moe_shape(cfg, 2 * tp),)):
         at = layers if shape == run.shape else [make_layer(jax.random.key(10 + l), shape) for l in range(run.n_layers)]
         x6 = jax.random.normal(jax.random.key(77), (6, shape.d), F32).astype(BF16)
         f32_out = jax.jit(lambda x, p, tuning: pallas_layer(x, p, shape, experts=tuning, dtype=F32), static_argnums=2)
@@ -307,7 +313,7 @@ def tiles(run: Run, cfg, tp: int, layers) -> None:
         ref6 = bits(x6, ExpertTuning())
         for t in run.ts[:2] + (() if run.smoke else (4,)):
             xs = run.inputs(300, t, shape)
-            for up, down in TILES:
+            for up, down in TILES[:2] if run.smoke else TILES:
                 tuning = ExpertTuning(**up, **down)
                 fn = lambda x, p, tuning=tuning: pallas_layer(x, p, shape, experts=tuning)
                 try:

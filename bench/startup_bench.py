@@ -2,7 +2,7 @@
 on its stdout, with a cold persistent compilation cache (a fresh LINGJAX_CACHE_DIR each run) and a warm one (the
 same directory, filled by one untimed run), medians over --runs each. Also the time to the process's exit.
 
-    python bench/startup_bench.py --runs 5 --out bench/results/startup_cpu_<date>.md
+    python bench/startup_bench.py --runs 5 --out bench/results/startup/startup_cpu_<date>.md
     python bench/startup_bench.py --args "--checkpoint DIR --prompt 'def quicksort(xs):'"
 
 Each run is a new process (import, weights, tracing, compilation or cache reads, prefill, first decode step), so
