@@ -43,8 +43,18 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's lingjax, in the plugin's environment
-from common import (LAUNCH, Report, add_options, launch_lines, launch_summary, parser, progress,  # noqa: E402
-                    tuning_for, tuning_label, xla_label)
+from common import (  # noqa: E402
+    LAUNCH,
+    Report,
+    add_options,
+    launch_lines,
+    launch_summary,
+    parser,
+    progress,
+    tuning_for,
+    tuning_label,
+    xla_label,
+)
 
 H200 = """
 gpu_device_info {
@@ -115,10 +125,9 @@ def step_model(args):
     """The abstract model on the target's devices (inside target.compile_for), with --kernels and the options."""
     from lingjax import sharding
     from lingjax.config import preset
-    from lingjax.model import abstract_model
     from lingjax.execution import CompileOptions
+    from lingjax.model import abstract_model
     from lingjax.runtime import Model, RunOptions
-    from lingjax.spec import step as spec_step
 
     cfg = preset(args.model)
     options = RunOptions(kernels=args.kernels, tuning=tuning_for(args.kernel_option, cfg, args.tp),
@@ -131,7 +140,7 @@ def compile_programs(args, devices, say) -> list[tuple[str, str]]:
     import lingjax.sharding as sharding
     from lingjax import engine
     from lingjax.sampling import SamplingParams
-    from lingjax.spec.step import SpecState
+    from lingjax.spec.step import SpecState, spec_program
 
     model = step_model(args)
     mesh = model.mesh if model.mesh is not None else jax.sharding.Mesh(np.asarray(devices[:1]), (sharding.AXIS,))
@@ -153,7 +162,7 @@ def compile_programs(args, devices, say) -> list[tuple[str, str]]:
     _, decode = model.step_programs(sampling, args.rounds_per_call)
     programs = [(f"decode T=1, {args.rounds_per_call} per call", decode, (weights, cache, i32, i32, key)),
                 (f"spec round S={args.steps}, {args.rounds_per_call} per call",
-                 spec_step.spec_program(model, drafter, sampling, args.rounds_per_call).round, ((weights, ()), state))]
+                 spec_program(model, drafter, sampling, args.rounds_per_call).round, ((weights, ()), state))]
 
     options = xla_label(model.options.compile.xla_options) + tuning_label(model.options.tuning, model.cfg, model.tp)
     say(f"# aot_census: {args.model}, tp {args.tp}, kernels {model.kernels}{options}, jax {jax.__version__}, target "

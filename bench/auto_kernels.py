@@ -6,7 +6,8 @@ supports() takes the shapes, else its XLA reference (said once per op and reason
 
 Per checkpoint and dtype: the ops that fell back and why; the full forward's logits against HF's (the fixture's
 reference.npz, float32); plain greedy against HF's greedy tokens; and NEXTN greedy (S = 3) against plain greedy,
-which must be equal (lossless; checkpoints with an MTP layer). Exit status 1 when a run raises or speculation differs from plain greedy.
+which must be equal (lossless; checkpoints with an MTP layer). Exit status 1 when a run raises or speculation
+differs from plain greedy.
 """
 
 from __future__ import annotations

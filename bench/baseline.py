@@ -37,7 +37,7 @@ def tree(rev_or_dir: str):
                              capture_output=True, text=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError) as e:
         raise SystemExit(f"--baseline {rev_or_dir}: neither a directory nor a git revision here "
-                         f"({getattr(e, 'stderr', '') or e})".strip())
+                         f"({getattr(e, 'stderr', '') or e})".strip()) from None
     work = Path(tempfile.mkdtemp(prefix=f"lingjax-baseline-{rev}-"))
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(work), rev], check=True,
                    capture_output=True)

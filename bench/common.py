@@ -69,7 +69,7 @@ def heading(say: Report, title: str) -> None:
 
     dev = jax.devices()[0]
     say(f"# {title}")
-    say(f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, {dev.device_kind} "
+    say(f"{datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}, {dev.device_kind} "
         f"x{len(jax.devices())} ({jax.default_backend()}), jax {jax.__version__}")
     say(f"command: `python {' '.join(sys.argv)}`")
     say(CACHE_NOTE)
@@ -405,9 +405,9 @@ def cache_from_args(warm) -> str:
     docs/measuring.md). warm: None (no persistent cache, whatever JAX_COMPILATION_CACHE_DIR says), True (lingjax's
     cache directory) or a directory -> the note heading() prints."""
     global CACHE_NOTE
-    from lingjax import compilation_cache
-
     import jax
+
+    from lingjax import compilation_cache
 
     if warm is None:
         os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)

@@ -29,4 +29,6 @@ def propose_bytes(cfg: DSparkConfig, ctx: int, itemsize: int = 2) -> float:
     layer = (h * hd * d + 2 * g * hd * d + d * h * hd + 3 * i * d) + 2 * hd + 2 * d
     cache = cfg.num_layers * 2 * ctx * g * hd
     w2_rows = cfg.markov_topk or cfg.vocab_size
-    return (cfg.num_layers * layer + d * cfg.feature_size + 2 * d + cache + cfg.block_size * (1 + w2_rows) * r) * itemsize
+    return (
+        cfg.num_layers * layer + d * cfg.feature_size + 2 * d + cache + cfg.block_size * (1 + w2_rows) * r
+    ) * itemsize

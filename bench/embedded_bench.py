@@ -6,7 +6,7 @@ The prompts are fixed by the files alone: each held-out standard-library file (l
 HELD_OUT_PACKAGES, which the model never saw) with a `def` line past its first 4 KB gives one prompt, the last
 --prompt-tokens tokens of the text up to the end of that line: code completion at a function's first line.
 
-    python bench/embedded_bench.py all --out bench/results/shipped/embedded_h200.md        # one interpreter, both engines
+    python bench/embedded_bench.py all --out bench/results/shipped/embedded_h200.md  # one interpreter, both engines
     # or in two interpreters (the CPU machines keep torch in their own virtualenv):
     python bench/embedded_bench.py prompts --out /tmp/p.json
     /path/to/torch/python bench/embedded_bench.py hf --prompts /tmp/p.json --out /tmp/hf.json
@@ -205,6 +205,7 @@ def hf_table(say, lj: dict, hf: dict, new_tokens: int) -> None:
 
 def open_report(path: str | None, prompts: dict, command: str):
     import jax
+
     from common import Report
 
     say = Report(path)

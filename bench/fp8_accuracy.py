@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import embedded_bench  # noqa: E402
-from common import parser  # noqa: E402
 
+from common import parser  # noqa: E402
 from lingjax.shipped import DEFAULT_CHECKPOINT  # noqa: E402
 
 
@@ -102,11 +102,16 @@ def main(argv=None) -> None:
             plain = [lingjax.generate(model, p, args.new_tokens, ignore_eos=True).tokens for p in prompts["ids"]]
             spec = [lingjax.generate(model, p, args.new_tokens, ignore_eos=True, spec="nextn", steps=args.steps)
                     for p in prompts["ids"]]
-            rows[name] = dict(bpb=bpb, plain=plain, predictions=predictions, accept=statistics.mean(r.mean_accept_len for r in spec),
-                              lossless=sum(r.tokens == t for r, t in zip(spec, plain)))
+            rows[name] = dict(
+                bpb=bpb,
+                plain=plain,
+                predictions=predictions,
+                accept=statistics.mean(r.mean_accept_len for r in spec),
+                lossless=sum(r.tokens == t for r, t in zip(spec, plain)),
+            )
             print(f"{name}: {bpb:.4f} bits/byte, accept {rows[name]['accept']:.2f}", flush=True)
 
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     device = jax.devices()[0]
     say("# fp8 weights against bf16 on the shipped model")
     say(f"{now}, {device.device_kind} ({device.platform}), jax {jax.__version__}, Python {platform.python_version()}")
@@ -119,8 +124,11 @@ def main(argv=None) -> None:
         f"{args.window}. {args.count} prompts of {args.prompt_tokens} tokens, {args.new_tokens} greedy tokens.")
     say()
     base = rows["bf16"]
-    say("| weights | held-out bits/byte | vs bf16 | held-out next-token argmax equal to bf16's | greedy tokens equal to bf16's (prompts all equal; common prefix "
-        "median, min) | NEXTN mean accept length S=" + str(args.steps) + " | NEXTN = plain greedy |")
+    say(
+        "| weights | held-out bits/byte | vs bf16 | held-out next-token argmax equal to bf16's "
+        "| greedy tokens equal to bf16's (prompts all equal; common prefix median, min) "
+        f"| NEXTN mean accept length S={args.steps} | NEXTN = plain greedy |"
+    )
     say("|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         prefixes = [embedded_bench.common_prefix(a, b) for a, b in zip(row["plain"], base["plain"])]

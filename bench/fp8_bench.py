@@ -31,11 +31,23 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from moe_bench import loop_over_layers
 
-from common import (FP8_MATRIX_BYTES, Report, add_options, heading, median_seconds, parser, pipelined_seconds,
-                    read_bandwidth, rel, tuning_label)
+from common import (
+    FP8_MATRIX_BYTES,
+    Report,
+    add_options,
+    heading,
+    median_seconds,
+    parser,
+    pipelined_seconds,
+    read_bandwidth,
+    rel,
+    tuning_label,
+)
 from lingjax import profiling, target
 from lingjax.config import preset
+from lingjax.execution import step_compiler_options
 from lingjax.model import fp8_layout, quantizer_block
 from lingjax.ops import fp8 as fp8_ops
 from lingjax.ops import moe as moe_ops
@@ -44,8 +56,6 @@ from lingjax.pallas import moe_experts
 from lingjax.pallas.linear import LinearTuning, plan, supports
 from lingjax.pallas.linear import linear as pallas_linear
 from lingjax.pallas.moe_experts import one_token_tiles
-from lingjax.execution import step_compiler_options
-from moe_bench import loop_over_layers
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 EXACT_TOL = 1e-4  # a kernel against x · (q·s)ᵀ in f32: reassociation only
@@ -119,7 +129,10 @@ def bits_equal(a, b) -> bool:
 
 def bench_projections(say, cfg, tp, bw, copies, reps, interpret):
     layout = fp8_layout(cfg, tp)
-    say(f"\n## (2) projections at TP{tp}: the Pallas linear on fp8 weights against XLA on bf16 ones, {copies} cold copies per program")
+    say(
+        f"\n## (2) projections at TP{tp}: the Pallas linear on fp8 weights against XLA on bf16 ones, {copies} cold "
+        "copies per program"
+    )
     say("error vs bf16: the kernel's output against the op on the unquantized bf16 weights; vs exact: each variant "
         f"against x · (q·s)ᵀ in f32 (FAIL above {EXACT_TOL:g}; a decode's row 0); bits: the decode's row 0 against "
         "the same tuning's verify row 0 (row invariance); launch: N tile / K splits / K step / partial-sum width / "

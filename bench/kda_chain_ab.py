@@ -23,8 +23,9 @@ import itertools
 import statistics
 import sys
 
-from common import Report, add_options, config_of, heading, kda_shape, median_seconds, parser, rel
 from kda_bench import CHAIN_TOL, chain_harness, load_fla
+
+from common import Report, add_options, config_of, heading, kda_shape, median_seconds, parser, rel
 
 PROFILE_ITERS = 2  # loop iterations under the profiler: a copy made once per loop shows as 1/2 a call
 

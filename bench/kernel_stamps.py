@@ -4,7 +4,8 @@
     python bench/kernel_stamps.py --tp 2              # a TP2 device's expert width (I = 384)
     python bench/kernel_stamps.py --smoke             # tiny preset, interpret mode (every stamp reads 0): a CPU check
 
-The profiler gives each launch's span; this gives its programs'. Through lingjax.pallas.instrument.instrumented, each probed
+The profiler gives each launch's span; this gives its programs'. Through lingjax.pallas.instrument.instrumented, each
+probed
 launch (the router's GEMV, the decode's up kernel, the down kernel) gets one more output holding, per program, its
 SM and (%globaltimer, %clock) at its start (before griddepcontrol.wait), after the wait, after the routed up
 programs' expert selection (the up kernel's `selected` hook) and at its end (after a CTA barrier: every thread's
@@ -34,14 +35,14 @@ from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.pallas.triton import primitives as triton_primitives
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from moe_bench import make_layer
 
 import lingjax.pallas
 from common import Report, add_options, config_of, heading, moe_layer_bytes, moe_shape, parser, read_bandwidth
 from lingjax import target
+from lingjax.execution import step_compiler_options
 from lingjax.pallas import moe_experts
 from lingjax.pallas.grid_dependency import wait_p
-from lingjax.execution import step_compiler_options
-from moe_bench import make_layer
 
 PROBED = ("moe_router_gemv", "moe_up_select", "moe_down_combine")
 # a program's row of the extra output: (globaltimer, clock) pairs after its SM id
@@ -88,7 +89,8 @@ def _store(ts_ref, pid, first, values):
 
 
 class Probe(lingjax.pallas.instrument.Instrument):
-    """The instrument of lingjax.pallas.instrument.instrumented: the launches named in PROBED carry a stamp table each, and the
+    """The instrument of lingjax.pallas.instrument.instrumented: the launches named in PROBED carry a stamp table each,
+    and the
     decode's selection a stamp after it; `tables` collects (name, table) as the kernels are traced. Every other launch
     is the default instrument's."""
 

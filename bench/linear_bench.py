@@ -10,8 +10,8 @@ and is timed as the median of batches of calls dispatched back to back. Variants
 programs' options (lingjax.execution.step_compiler_options: autotuning off), the same with XLA's autotuning on
 (xla_gpu_autotune_level=4), and the Pallas kernel at its default tiles and at --sweep's. Each row gives µs per
 projection, its byte floor (the weight read once at the read bandwidth measured at the start) and the ratio;
-`vs exact` is the relative error against x · Wᵀ in f32; `bits` says whether the kernel's decode row 0 (tokens = 1, x's row read alone)
-equals its verify's row 0 bit for bit (row invariance).
+`vs exact` is the relative error against x · Wᵀ in f32; `bits` says whether the kernel's decode row 0 (tokens = 1,
+x's row read alone) equals its verify's row 0 bit for bit (row invariance).
 """
 
 from __future__ import annotations
@@ -22,13 +22,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import BF16, F32, Report, add_options, config_of, heading, parser, pipelined_seconds, progress, \
-    read_bandwidth, rel
+from common import (
+    BF16,
+    F32,
+    Report,
+    add_options,
+    config_of,
+    heading,
+    parser,
+    pipelined_seconds,
+    progress,
+    read_bandwidth,
+    rel,
+)
 from lingjax import target
+from lingjax.execution import step_compiler_options
 from lingjax.ops.linear import linear
 from lingjax.pallas.linear import LinearTuning, plan, supports
 from lingjax.pallas.linear import linear as pallas_linear
-from lingjax.execution import step_compiler_options
 
 SWEEP = [  # (label, tuning): the kernel's other tiles, against the default
     ("N tile 64", LinearTuning(bn=64)),

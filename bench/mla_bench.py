@@ -24,8 +24,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import (Report, add_options, config_of, floor_row, heading, median_seconds, parser, read_bandwidth, rel,
-                    run_or_report)
+from common import (
+    Report,
+    add_options,
+    config_of,
+    floor_row,
+    heading,
+    median_seconds,
+    parser,
+    read_bandwidth,
+    rel,
+    run_or_report,
+)
 from lingjax import profiling
 from lingjax.config import VERIFY_ROWS
 from lingjax.ops.mla import mla_absorbed

@@ -36,14 +36,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import (MoEShape, Report, add_options, config_of, copy_bandwidth, heading, median_seconds, moe_layer_bytes,
-                    moe_shape, parser, read_bandwidth, rel)
+from common import (
+    MoEShape,
+    Report,
+    add_options,
+    config_of,
+    copy_bandwidth,
+    heading,
+    median_seconds,
+    moe_layer_bytes,
+    moe_shape,
+    parser,
+    read_bandwidth,
+    rel,
+)
 from lingjax import profiling, target
+from lingjax.execution import CompileOptions, step_compiler_options
 from lingjax.ops import moe as moe_ops
 from lingjax.pallas.moe_align import BLOCK_M, align_reference, moe_align
 from lingjax.pallas.moe_experts import ExpertTuning, fused_experts, routed_experts
 from lingjax.pallas.moe_router import RouterTuning, route
-from lingjax.execution import CompileOptions, step_compiler_options
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 ROUTERS = {  # label -> (RouterTuning fields, precision)
@@ -212,8 +224,8 @@ def routers(run: Run, layers, bw: float) -> dict:
     """(3): each of ROUTERS alone and with the align launch, per layer, in-graph -> the loop's glue per layer by T."""
     say, shape = run.say, run.shape
     router_b = shape.e * shape.d * jnp.dtype(BF16).itemsize
-    say("\n## router tunings (per layer, in-graph over %d layers; floor: router weight %.2f MB bf16 = %.2f µs)"
-        % (run.n_layers, router_b / 1e6, router_b / bw * 1e6))
+    say(f"\n## router tunings (per layer, in-graph over {run.n_layers} layers; floor: router weight "
+        f"{router_b / 1e6:.2f} MB bf16 = {router_b / bw * 1e6:.2f} µs)")
     say("the router on bf16 x and weight (the model's path); + align launch: moe_align on the router's ids, as "
         "fused_experts runs it at T > 1; none at T = 1; ids vs ops.moe.route at the same precision")
     say.table("T", "tuning", "router µs", "router + align launch µs", "ids equal")
@@ -255,7 +267,7 @@ def routers(run: Run, layers, bw: float) -> dict:
 def whole_layers(run: Run, layers, bw: float, glue_per_t: dict) -> None:
     """(4): whole layers against their floor, each path; then the model path's kernels, profiled."""
     say, shape = run.say, run.shape
-    say("\n## whole MoE layer (router + routed + shared), per layer, cold weights over %d layers" % run.n_layers)
+    say(f"\n## whole MoE layer (router + routed + shared), per layer, cold weights over {run.n_layers} layers")
     say("two launches: route (RouterTuning defaults) + fused_experts, shared fused; model path: routed_experts as the "
         "model calls it (at T = 1 the up kernel routes the token, no select launch; above T = 1 the same as two "
         "launches); the loop's glue: the 1e-30 input update of each layer (one small fusion, not in the model), the "

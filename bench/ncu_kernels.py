@@ -38,8 +38,8 @@ from common import Report, add_options, config_of, kda_shape, moe_shape, parser,
 
 def run_chain(args, group):
     import jax
-
     from kda_bench import chain_harness
+
     from lingjax.pallas.kda_chain import ChainTuning, kda_chain_verify
 
     h = chain_harness(kda_shape(config_of(args.model), args.tp), rotations=64)
@@ -56,7 +56,6 @@ def run_chain(args, group):
 def run_fla(args, group):
     import torch
     from fla.ops.kda import fused_recurrent_kda
-
     from kda_bench import fla_inputs
 
     shape = kda_shape(config_of(args.model), args.tp)
@@ -73,7 +72,6 @@ def run_fla(args, group):
 def run_moe(args, group):
     import jax
     import jax.numpy as jnp
-
     import moe_bench
 
     cfg = config_of(args.model)

@@ -19,11 +19,11 @@ import statistics
 import sys
 import time
 
+import dspark_shapes
 import numpy as np
 
 import lingjax
 from common import Report, add_options, heading, parser
-import dspark_shapes
 from lingjax import engine
 from lingjax.spec import dspark_io
 
@@ -70,9 +70,13 @@ def report(model, args, warmup_s, results, began, duration) -> None:
     accept = sum(sum(r.accept_lens) for _, r in results) / rounds if rounds else 1.0
     mean_tpot = statistics.fmean(tpots)
     say = Report(args.out)
-    heading(say, f"serve_bench: {args.model}, {args.dtype}, weights {args.weights}, kernels={model.kernels}, "
-                 f"router {args.router_precision}, tp={args.tp}, spec={args.spec or 'none'}{f' (S={args.steps or "its block"})' if args.spec else ''}, "
-                 f"{args.rounds_per_call} per call")
+    heading(
+        say,
+        f"serve_bench: {args.model}, {args.dtype}, weights {args.weights}, kernels={model.kernels}, "
+        f"router {args.router_precision}, tp={args.tp}, spec={args.spec or 'none'}"
+        f"{f' (S={args.steps or "its block"})' if args.spec else ''}, "
+        f"{args.rounds_per_call} per call",
+    )
     say(f"prompt {args.prompt_len} (prefill chunks of {args.prefill_chunk}), output {args.output_len}, concurrency 1, "
         f"greedy, EOS ignored; warm-up request {warmup_s:.1f} s (compilation)")
     say()

@@ -47,15 +47,27 @@ import tempfile
 import time
 from pathlib import Path
 
+import dspark_shapes
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import lingjax
-from common import (FP8_MATRIX_BYTES, Report, add_options, heading, launch_summary, layer_bytes, parser, progress, read_bandwidth,
-                    tuning_for, tuning_label, xla_label)
-import dspark_shapes
+from common import (
+    FP8_MATRIX_BYTES,
+    Report,
+    add_options,
+    heading,
+    launch_summary,
+    layer_bytes,
+    parser,
+    progress,
+    read_bandwidth,
+    tuning_for,
+    tuning_label,
+    xla_label,
+)
 from lingjax import engine, profiling
 from lingjax.config import MOE
 from lingjax.execution import CompileOptions
@@ -297,8 +309,9 @@ def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
     if args.dspark:  # a random drafter of the released Ling draft's shape, verifying its whole block
         from lingjax.spec import dspark
 
-        base = base.with_draft(dspark.random_dspark(dspark_shapes.ling_shaped_config(base.cfg, markov_topk=args.markov_topk),
-                                                    "bfloat16"))
+        base = base.with_draft(
+            dspark.random_dspark(dspark_shapes.ling_shaped_config(base.cfg, markov_topk=args.markov_topk), "bfloat16")
+        )
     if base.draft is not None:  # --dspark's, or a checkpoint's own (the shipped model's)
         from lingjax.spec import dspark
 
@@ -341,8 +354,18 @@ def report_table(rows, bw: float, say) -> None:
               "MB read per device", "floor µs", "step / floor")
     for tp, weights, kernels, name, t, host, k, b in rows:
         floor = b / bw
-        say.row(tp, weights, kernels, name, f"{t * 1e6:.0f}", f"{host * 1e6:.0f}", k, f"{b / 1e6:.0f}", f"{floor * 1e6:.0f}",
-                f"{t / floor:.2f}")
+        say.row(
+            tp,
+            weights,
+            kernels,
+            name,
+            f"{t * 1e6:.0f}",
+            f"{host * 1e6:.0f}",
+            k,
+            f"{b / 1e6:.0f}",
+            f"{floor * 1e6:.0f}",
+            f"{t / floor:.2f}",
+        )
 
 
 def parse_args(argv=None):
@@ -359,10 +382,19 @@ def parse_args(argv=None):
     ap.add_argument("--dspark", action="store_true",
                     help="also time a DSpark round: a random drafter of the released Ling draft's shape verifying its "
                          "block of 8 (a checkpoint with a drafter of its own, the shipped model's, times that one)")
-    ap.add_argument("--markov-topk", type=int, default=0,
-                    help="the DSpark round's Markov head over the base logits' top k only (0: the drafter's own setting)")
-    ap.add_argument("--programs", nargs="+", choices=("decode", "nextn", "dspark"), default=["decode", "nextn", "dspark"],
-                    help="which programs to time (dspark: when the model has a drafter)")
+    ap.add_argument(
+        "--markov-topk",
+        type=int,
+        default=0,
+        help="the DSpark round's Markov head over the base logits' top k only (0: the drafter's own setting)",
+    )
+    ap.add_argument(
+        "--programs",
+        nargs="+",
+        choices=("decode", "nextn", "dspark"),
+        default=["decode", "nextn", "dspark"],
+        help="which programs to time (dspark: when the model has a drafter)",
+    )
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--capacity", type=int, default=0,
                     help="also report device memory with a cache of this many positions held (e.g. 9216: 8192 + 1024)")
@@ -429,8 +461,10 @@ def main(argv=None):
     report_table(rows, bw, say)
     if censuses:
         say()
-        say(f"GPU-time census of the speculative rounds (device 0, {args.profile_steps} traced rounds; raw traces and HLO "
-            f"in {args.profile}):")
+        say(
+            f"GPU-time census of the speculative rounds (device 0, {args.profile_steps} traced rounds; raw traces and "
+            f"HLO in {args.profile}):"
+        )
         say()
         say(profiling.format_census(censuses))
 

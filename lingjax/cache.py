@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from lingjax.config import KDA, VERIFY_ROWS, LingConfig
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KDACache:

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from lingjax import interrupts
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one `lingjax: error: ...` line and exit status 2 for a bad command line (no usage dump)."""
@@ -46,7 +48,6 @@ def _key_value(text: str) -> tuple[str, object]:
 # ---- arguments ----------------------------------------------------------------------------------------
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from lingjax.config import PRESETS
-
     from lingjax.shipped import DEFAULT_NAME
 
     src = p.add_mutually_exclusive_group()
@@ -206,9 +207,9 @@ def _check_devices(cfg, args, name: str) -> None:
     """Enough devices for --tp, and the weights fit their memory (estimated from the config)."""
     from pathlib import Path
 
-    from lingjax.memory import check_fits
     from lingjax.dtypes import DTYPES
     from lingjax.loading import weights_layout
+    from lingjax.memory import check_fits
     from lingjax.sharding import check_tp
 
     check_tp(cfg, args.tp)
@@ -307,9 +308,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     from lingjax.chat_repl import ChatSession
-
     from lingjax.chat_template import render_for
-
     from lingjax.shipped import DEFAULT_NAME, is_default_checkpoint
 
     cfg, _, name, tokenizer = _source(args)
@@ -330,10 +329,10 @@ def cmd_chat(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    import jax.numpy as jnp
+
     from lingjax.checkpoint import convert
     from lingjax.progress import Progress
-
-    import jax.numpy as jnp
 
     if args.fp8 and args.dtype != "bfloat16":
         raise UsageError("--dtype has no effect with --fp8 (the fp8 layout keeps the other tensors as they are)")
@@ -431,11 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     from lingjax.chat_template import ChatError
     from lingjax.checkpoint import CheckpointError
     from lingjax.config import ConfigError
+    from lingjax.engine import NonFiniteLogits
     from lingjax.tokenizer import TokenizerError
 
-    from lingjax.engine import NonFiniteLogits
-
-    interrupts = _honour_ctrl_c()
+    ctrl_c = interrupts.honour_ctrl_c()
     try:
         return args.run(args)
     except (CheckpointError, ConfigError, TokenizerError, ChatError, UsageError, FileNotFoundError,
@@ -449,75 +447,10 @@ def main(argv: list[str] | None = None) -> int:
         print(file=sys.stderr)
         return 130
     finally:
-        if interrupts is not None:
-            interrupts.stop()
+        if ctrl_c is not None:
+            ctrl_c.stop()
         if "lingjax.compile_watch" in sys.modules:  # the status line ends with the command
             sys.modules["lingjax.compile_watch"].show(None)
-
-
-class _CtrlC:
-    """Ctrl-C at any point: Python sees a signal only between bytecodes, so while the main thread sits in a long
-    native call (XLA compiling a program) the KeyboardInterrupt waits. A thread woken by the signal's byte
-    (signal.set_wakeup_fd) gives the main thread GRACE_S to raise it, then ends the process itself (status 130)."""
-
-    GRACE_S = 1.0
-
-    def __init__(self):
-        import os
-        import signal
-        import threading
-
-        self.read, self.write = os.pipe()
-        os.set_blocking(self.write, False)
-        self.seen = self.raised = 0  # signals woken for, signals the main thread raised
-        self.changed = threading.Condition()
-        self.previous_fd = signal.set_wakeup_fd(self.write)
-        self.previous = signal.signal(signal.SIGINT, self._raise)
-        threading.Thread(target=self._wait, name="lingjax-ctrl-c", daemon=True).start()
-
-    def _raise(self, signum, frame):
-        with self.changed:
-            self.raised += 1
-            self.changed.notify_all()
-        raise KeyboardInterrupt
-
-    def _wait(self):
-        import os
-
-        while True:
-            try:
-                woken = os.read(self.read, 64)
-            except OSError:
-                woken = b""
-            if not woken:
-                os.close(self.read)
-                return
-            with self.changed:
-                self.seen += len(woken)
-                if not self.changed.wait_for(lambda: self.raised >= self.seen, self.GRACE_S):
-                    sys.stderr.write("\nlingjax: interrupted\n")
-                    sys.stderr.flush()
-                    os._exit(130)
-
-    def stop(self):
-        import os
-        import signal
-
-        signal.set_wakeup_fd(self.previous_fd)
-        signal.signal(signal.SIGINT, self.previous)
-        os.close(self.write)
-
-
-def _honour_ctrl_c() -> _CtrlC | None:
-    """Install _CtrlC in the main thread of an interactive run (not under a test's thread or without signals)."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        return _CtrlC()
-    except (ValueError, OSError):
-        return None
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ class LingConfig:
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> "LingConfig":
+    def from_hf(cls, raw: dict[str, Any]) -> LingConfig:
         """Build from a config.json dict in either spelling."""
         if raw.get("model_type") not in (None, "bailing_hybrid", "bailing_moe_v3"):
             raise ConfigError(f"model_type {raw.get('model_type')!r} is not bailing_hybrid")
@@ -172,7 +172,9 @@ class LingConfig:
 
         moe_inter = get("moe_intermediate_size", kind=int)
         n_shared = get("num_shared_experts", "n_shared_experts", default=1, kind=int)
-        shared_inter = get("moe_shared_expert_intermediate_size", default=moe_inter * n_shared, kind=int) if n_shared else 0
+        shared_inter = (
+            get("moe_shared_expert_intermediate_size", default=moe_inter * n_shared, kind=int) if n_shared else 0
+        )
         eos = raw.get("eos_token_id")
         eos = tuple(_typed(e, "eos_token_id", int) for e in (eos if isinstance(eos, (list, tuple)) else
                                                              () if eos is None else (eos,)))
@@ -213,7 +215,7 @@ class LingConfig:
         )
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "LingConfig":
+    def from_file(cls, path: str | Path) -> LingConfig:
         path = Path(path)
         try:
             raw = json.loads(path.read_text())

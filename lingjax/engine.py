@@ -27,9 +27,9 @@ from lingjax.detokenize import TextStream
 from lingjax.requests import PREFILL_CHUNK
 from lingjax.runtime import Model
 from lingjax.sampling import NONFINITE, SamplingParams
-from lingjax.spec.step import SpecState, read_output_row
 from lingjax.spec import step as spec_step
 from lingjax.spec.drafters import NextnDrafter
+from lingjax.spec.step import SpecState, read_output_row
 from lingjax.spec.width_schedule import WidthSchedule
 
 MIN_CAPACITY = 256
@@ -220,7 +220,8 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     tokens. spec="nextn" speculates with the MTP layer, `steps` drafts a round (5 unless given; greedy output
     is identical to spec=None); spec="dspark" with the model's DSpark drafter (model.draft; `steps` drafts of its
     block are verified, all of them unless given; or, with `widths` (verify widths, each compiled once), the host
-    picks each call's width from the drafter's confidences of earlier rounds: lingjax.spec.width_schedule.WidthSchedule);
+    picks each call's width from the drafter's confidences of earlier rounds:
+    lingjax.spec.width_schedule.WidthSchedule);
     `drafter` plugs in any other drafter object. rounds_per_call > 1 runs that many
     speculative rounds (or plain decode steps) per device call: the host's fixed cost per call is shared and
     the tokens are the same either way. prefill_chunk: prompt tokens per prefill program, a power of two of at

@@ -38,7 +38,6 @@ from flax import nnx
 from lingjax.cache import KDACache, KDAStaged, MLACache, ModelCache
 from lingjax.config import KDA, MOE, VERIFY_ROWS, LingConfig
 from lingjax.execution import Exec
-from lingjax.quantization import Fp8Layout, quantized_paths
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import linear as linear_ops
 from lingjax.ops import mla as mla_ops
@@ -46,6 +45,8 @@ from lingjax.ops import moe as moe_ops
 from lingjax.ops.fp8 import Fp8Array, dense, device_block, quantize_on_device, refine_scales_on_device
 from lingjax.ops.norms import gated_rms_norm, rms_norm
 from lingjax.ops.rope import rope_interleaved
+from lingjax.param_init import ParamInit
+from lingjax.quantization import Fp8Layout, quantized_paths
 from lingjax.sharding import path_keys
 
 F32 = jnp.float32
@@ -106,33 +107,6 @@ def row_linear(x: jax.Array, w, paths: Paths) -> jax.Array:
     """Row-parallel projection: under TP w holds this device's slice of the inputs, so the f32
     partial sums are all-reduced (the sub-layer's one all-reduce) before the single rounding."""
     return paths.ex.psum(project(x, w, paths, F32)).astype(x.dtype)
-
-
-def draw(key, shape, dtype, how: tuple) -> jax.Array:
-    """A random array: how = ("normal", mean, std) or ("log_uniform", low, high), drawn in f32."""
-    if how[0] == "normal":
-        w = how[1] + how[2] * jax.random.normal(key, shape, F32)
-    else:
-        w = jnp.log(jax.random.uniform(key, shape, F32, minval=how[1], maxval=how[2]))
-    return w.astype(dtype)
-
-
-class ParamInit:
-    """Random initialisation for presets, tests and fresh drafters (real weights come from a checkpoint). Each Param
-    keeps its distribution as metadata (`random`), so lingjax.random_weights.random_model can draw the same
-    kind of weights leaf by leaf, straight into their shards."""
-
-    def __init__(self, rngs: nnx.Rngs, dtype):
-        self.rngs, self.dtype = rngs, dtype
-
-    def param(self, shape, how, dtype=None):
-        return nnx.Param(draw(self.rngs.params(), shape, dtype or self.dtype, how), random=how)
-
-    def matrix(self, *shape, dtype=None):  # [..., out, in], std 1/sqrt(in)
-        return self.param(shape, ("normal", 0.0, shape[-1] ** -0.5), dtype)
-
-    def norm(self, n):
-        return self.param((n,), ("normal", 1.0, 0.1))
 
 
 class Fp8Weight(nnx.Module):
@@ -277,7 +251,11 @@ class MLAAttention(nnx.Module):
 class DenseMLP(nnx.Module):
     def __init__(self, cfg: LingConfig, init: ParamInit, width: int, limit: float = 0.0):
         d = cfg.hidden_size
-        self.gate_proj, self.up_proj, self.down_proj = init.matrix(width, d), init.matrix(width, d), init.matrix(d, width)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            init.matrix(width, d),
+            init.matrix(width, d),
+            init.matrix(d, width),
+        )
         self.limit = limit
 
     def partial(self, x, paths: Paths):  # -> f32 [rows, D] (under TP: this device's partial sum, for the caller's psum)

@@ -240,7 +240,9 @@ def format_census(censuses: dict[str, Census]) -> str:
 
     rows = [f"| µs per step (share of real step) | {' | '.join(labels)} |", "|---" * (len(labels) + 1) + "|"]
     for cat in CATEGORIES:
-        rows.append(f"| {cat} | " + " | ".join(cell(censuses[l].by_category_us[cat], censuses[l]) for l in labels) + " |")
+        rows.append(
+            f"| {cat} | " + " | ".join(cell(censuses[l].by_category_us[cat], censuses[l]) for l in labels) + " |"
+        )
     rows.append("| of the all-reduce time: waiting for a peer (traced) | " + " | ".join(
         cell(c.peer_wait_us, c) if c.peer_wait_us is not None else "—" for c in censuses.values()) + " |")
     rows.append("| idle in the real step (real − kernel time) | " + " | ".join(

@@ -1,6 +1,6 @@
 """Random weights for a config: every leaf drawn with the distribution its constructor records
-(lingjax.model.ParamInit), on the host or on the device(s), optionally quantized to fp8 as it is drawn. What a preset
-name loads (lingjax.load("tiny")), and what the benches time rounds with."""
+(lingjax.param_init.ParamInit), on the host or on the device(s), optionally quantized to fp8 as it is drawn. What a
+preset name loads (lingjax.load("tiny")), and what the benches time rounds with."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from jax.sharding import NamedSharding
 
 from lingjax import sharding
 from lingjax.config import LingConfig
-from lingjax.model import LingModel, abstract_model, draw
+from lingjax.model import LingModel, abstract_model
 from lingjax.ops import fp8 as fp8_ops
+from lingjax.param_init import draw
 from lingjax.quantization import Fp8Layout
 
 # Random weights up to HOST_DRAW_BYTES are drawn on the host (numpy: no program to compile, the fastest start
@@ -27,7 +28,7 @@ ONE_PROGRAM_DRAW_BYTES = 2 << 30
 
 def random_model(cfg: LingConfig, dtype, seed: int, mesh=None, fp8: Fp8Layout | None = None) -> LingModel:
     """LingModel with random weights, each leaf with the distribution its constructor records
-    (lingjax.model.ParamInit) and its own stream (the seed and the leaf's index). Small models are drawn on the
+    (lingjax.param_init.ParamInit) and its own stream (the seed and the leaf's index). Small models are drawn on the
     host and placed; larger ones on the device(s), in one program or leaf by leaf, and with a mesh every
     device draws only its own shards (partitionable threefry), so a model larger than one device, such as
     Flash at TP2, never exists whole anywhere. The weights are a function of (config, dtype, seed): the same
@@ -80,7 +81,7 @@ def random_model(cfg: LingConfig, dtype, seed: int, mesh=None, fp8: Fp8Layout | 
 
 
 def host_draw(rng: np.random.Generator, shape, dtype, how: tuple) -> np.ndarray:
-    """lingjax.model.draw's distributions with numpy: normal(mean, std) or log(uniform(low, high)), f32,
+    """lingjax.param_init.draw's distributions with numpy: normal(mean, std) or log(uniform(low, high)), f32,
     then rounded to dtype."""
     if how[0] == "normal":
         w = how[1] + how[2] * rng.standard_normal(shape, dtype=np.float32)

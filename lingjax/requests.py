@@ -106,8 +106,9 @@ def default_steps(spec: str, draft_block: int | None) -> int:
 @dataclasses.dataclass(frozen=True)
 class GenerationPlan:
     """A checked request, all but its prompt: what lingjax.engine.generate runs. steps: drafts per round (0 without
-    spec, and with DSpark widths to choose from); widths: the verify widths a round may take (() without spec; steps + 1,
-    or the widths a DSpark request gave, for the host to choose from each round: lingjax.spec.width_schedule.WidthSchedule)."""
+    spec, and with DSpark widths to choose from); widths: the verify widths a round may take (() without spec;
+    steps + 1, or the widths a DSpark request gave, for the host to choose from each round:
+    lingjax.spec.width_schedule.WidthSchedule)."""
 
     max_new_tokens: int
     temperature: float

@@ -11,12 +11,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import logging
 from collections.abc import Mapping
-from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -31,6 +28,7 @@ from lingjax.model import Fp8Weight, LingModel, param_count
 from lingjax.requests import check_prompt_ids
 from lingjax.sampling import SamplingParams, sample
 from lingjax.tokenizer import Tokenizer
+
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:

@@ -72,64 +72,104 @@ def pytest_terminal_summary(terminalreporter, config):
 # each kind kept (greedy against the full forward, HF logits, the CLI, zero and full acceptance), for daily work;
 # the full suite is the CI command. Marked here by module and test function (every parametrisation).
 SLOW = {
-    "test_checkpoint": {
-        "test_alternate_layouts_load_identically", "test_save_load_round_trip_and_orbax"},
+    "test_checkpoint": {"test_alternate_layouts_load_identically", "test_save_load_round_trip_and_orbax"},
     "test_cli": {
-        "test_generate_speculative", "test_generate_tensor_parallel", "test_generate_ends_cleanly_when_it_stops_early"},
+        "test_generate_speculative",
+        "test_generate_tensor_parallel",
+        "test_generate_ends_cleanly_when_it_stops_early",
+    },
     "test_generate": {
         "test_decode_steps_per_call_same_tokens",
-        "test_kernel_set_auto_and_bad_names", "test_pallas_kernels_give_the_same_model",
-        "test_prompt_longer_than_one_prefill_chunk", "test_sampling_is_seeded_and_respects_top_k",
+        "test_kernel_set_auto_and_bad_names",
+        "test_pallas_kernels_give_the_same_model",
+        "test_prompt_longer_than_one_prefill_chunk",
+        "test_sampling_is_seeded_and_respects_top_k",
         "test_nonfinite_logits_stop_generation_with_an_error",
-        "test_xla_ops_override_one_kernel"},
-    "test_kernel_stamps": {
-        "test_smoke_run_equals_unprobed"},
-    "test_model_lowering": {
-        "test_every_program_lowers_with_auto_kernels"},
+        "test_xla_ops_override_one_kernel",
+    },
+    "test_kernel_stamps": {"test_smoke_run_equals_unprobed"},
+    "test_model_lowering": {"test_every_program_lowers_with_auto_kernels"},
     "test_ops": {
-        "test_experts_sorted_matches_gathered", "test_kda_chain_contract_matches_prepare_and_recurrence",
-        "test_kda_chunked_matches_recurrent", "test_kda_padding_rows_leave_state_unchanged",
-        "test_mla_absorbed_matches_expanded"},
+        "test_experts_sorted_matches_gathered",
+        "test_kda_chain_contract_matches_prepare_and_recurrence",
+        "test_kda_chunked_matches_recurrent",
+        "test_kda_padding_rows_leave_state_unchanged",
+        "test_mla_absorbed_matches_expanded",
+    },
     "test_pallas_kda": {
-        "test_chain_decode_in_place", "test_chain_verify_bf16_inputs", "test_chain_verify_every_t",
-        "test_chain_verify_head_dim_128", "test_chain_verify_heads_and_gate_forms", "test_chain_verify_padded_rows",
-        "test_chain_verify_rows_equal_sequential_decode", "test_chain_verify_tiles",
-        "test_chain_verify_tiles_per_program", "test_chunked_prefill_bf16_inputs", "test_chunked_prefill_gate_extremes",
-        "test_chunked_prefill_matches_references", "test_chunked_prefill_padding_rows_leave_state",
-        "test_model_logits_with_pallas_kda"},
-    "test_pallas_lowering": {
-        "test_moe_kernels_lower"},
-    "test_pallas_mla": {
-        "test_matches_reference", "test_row_invariance", "test_tiles_and_splits"},
+        "test_chain_decode_in_place",
+        "test_chain_verify_bf16_inputs",
+        "test_chain_verify_every_t",
+        "test_chain_verify_head_dim_128",
+        "test_chain_verify_heads_and_gate_forms",
+        "test_chain_verify_padded_rows",
+        "test_chain_verify_rows_equal_sequential_decode",
+        "test_chain_verify_tiles",
+        "test_chain_verify_tiles_per_program",
+        "test_chunked_prefill_bf16_inputs",
+        "test_chunked_prefill_gate_extremes",
+        "test_chunked_prefill_matches_references",
+        "test_chunked_prefill_padding_rows_leave_state",
+        "test_model_logits_with_pallas_kda",
+    },
+    "test_pallas_lowering": {"test_moe_kernels_lower"},
+    "test_pallas_mla": {"test_matches_reference", "test_row_invariance", "test_tiles_and_splits"},
     "test_pallas_moe": {
-        "test_align_matches_sort_reference", "test_fused_experts_match_gathered",
-        "test_fused_experts_read_the_real_rows_in_place", "test_hf_parity_with_pallas_moe",
-        "test_kernel_options_reach_the_kernel", "test_routed_experts_match_reference",
-        "test_router_f32_on_bf16_operands_is_exact", "test_router_flash_routing", "test_router_matches_reference",
-        "test_router_ties_resolve_to_lower_index", "test_single_token_shared_expert_split",
-        "test_single_token_up_reads_x_row_once"},
+        "test_align_matches_sort_reference",
+        "test_fused_experts_match_gathered",
+        "test_fused_experts_read_the_real_rows_in_place",
+        "test_hf_parity_with_pallas_moe",
+        "test_kernel_options_reach_the_kernel",
+        "test_routed_experts_match_reference",
+        "test_router_f32_on_bf16_operands_is_exact",
+        "test_router_flash_routing",
+        "test_router_matches_reference",
+        "test_router_ties_resolve_to_lower_index",
+        "test_single_token_shared_expert_split",
+        "test_single_token_up_reads_x_row_once",
+    },
     "test_parity": {
-        "test_bf16_router_keeps_parity", "test_decode_step_logits_match_full_forward", "test_greedy_tokens_match_hf"},
-    "test_serve_bench": {
-        "test_serve_bench_tiny"},
+        "test_bf16_router_keeps_parity",
+        "test_decode_step_logits_match_full_forward",
+        "test_greedy_tokens_match_hf",
+    },
+    "test_serve_bench": {"test_serve_bench_tiny"},
     "test_sharding": {
-        "test_distributed_argmax_ties_to_lowest_id", "test_logits_and_greedy_match_tp1",
-        "test_orbax_restores_straight_into_shards", "test_random_presets_are_drawn_in_shards_and_equal_at_every_tp",
-        "test_sampling_matches_tp1", "test_tp8_matches_tp1", "test_weights_are_sharded_and_loaded_straight_into_shards"},
+        "test_distributed_argmax_ties_to_lowest_id",
+        "test_logits_and_greedy_match_tp1",
+        "test_orbax_restores_straight_into_shards",
+        "test_random_presets_are_drawn_in_shards_and_equal_at_every_tp",
+        "test_sampling_matches_tp1",
+        "test_tp8_matches_tp1",
+        "test_weights_are_sharded_and_loaded_straight_into_shards",
+    },
     "test_train_model": {
-        "test_command_data_comes_from_the_cache", "test_command_exports_a_finished_run",
-        "test_command_refuses_other_options_and_corpus", "test_command_resume_equals_uninterrupted_steps",
-        "test_command_runs_resumes_and_exports", "test_embedded_checkpoint_fits_on_disk"},
+        "test_command_data_comes_from_the_cache",
+        "test_command_exports_a_finished_run",
+        "test_command_refuses_other_options_and_corpus",
+        "test_command_resume_equals_uninterrupted_steps",
+        "test_command_runs_resumes_and_exports",
+        "test_embedded_checkpoint_fits_on_disk",
+    },
     "test_dspark": {
-        "test_context_cache_holds_the_targets_features_of_committed_rows", "test_greedy_equals_plain_greedy",
-        "test_greedy_then_sampled_then_greedy_is_unpolluted", "test_tensor_parallel_equals_one_device",
-        "test_widths_switching_every_call_stay_lossless", "test_fp8_target_greedy_equals_plain_greedy"},
+        "test_context_cache_holds_the_targets_features_of_committed_rows",
+        "test_greedy_equals_plain_greedy",
+        "test_greedy_then_sampled_then_greedy_is_unpolluted",
+        "test_tensor_parallel_equals_one_device",
+        "test_widths_switching_every_call_stay_lossless",
+        "test_fp8_target_greedy_equals_plain_greedy",
+    },
     "test_train_dspark": {"test_command_trains_resumes_and_exports"},
     "test_spec": {
-        "test_bf16_greedy_spec_equals_plain_128_tokens", "test_decode_and_verify_reduce_alike",
-        "test_greedy_then_sampled_then_greedy_is_unpolluted", "test_nextn_greedy_equals_plain_greedy_128_tokens",
-        "test_nextn_greedy_matches_hf_fixture", "test_rounds_per_call_same_tokens_and_accept_lengths",
-        "test_target_only_accept_is_lossless", "test_verify_then_commit_equals_sequential_decode"},
+        "test_bf16_greedy_spec_equals_plain_128_tokens",
+        "test_decode_and_verify_reduce_alike",
+        "test_greedy_then_sampled_then_greedy_is_unpolluted",
+        "test_nextn_greedy_equals_plain_greedy_128_tokens",
+        "test_nextn_greedy_matches_hf_fixture",
+        "test_rounds_per_call_same_tokens_and_accept_lengths",
+        "test_target_only_accept_is_lossless",
+        "test_verify_then_commit_equals_sequential_decode",
+    },
 }
 
 
@@ -147,6 +187,23 @@ def key_for(*parts) -> jax.Array:
 # launch against two): XLA:CPU may associate and vectorize them differently by machine, so they agree to a
 # few ulp, not bit for bit. Exact equality stays for one program at two inputs' shapes and for data movement.
 REORDER_TOL = 1e-6
+
+
+# A frequency test's bins each within Z_FREQ binomial standard deviations: P(|Z| > 6.5) is 8e-11 a bin, so a test of
+# up to 100 bins fails by chance less than once in 10^8 runs (a correct sampler never fails CI), while a sampler
+# off by a few percent at the draws the tests take still fails.
+Z_FREQ = 6.5
+
+
+def assert_frequencies(samples, p, vocab: int) -> None:
+    """The empirical distribution of integer `samples` matches `p` [vocab] in every bin, within Z_FREQ binomial
+    standard deviations (plus 1e-4 for p's own rounding)."""
+    samples = np.asarray(samples).reshape(-1)
+    p = np.asarray(p, np.float64)
+    freq = np.bincount(samples, minlength=vocab) / samples.size
+    sigma = np.sqrt(p * (1 - p) / samples.size)
+    bad = np.abs(freq - p) > Z_FREQ * sigma + 1e-4
+    assert not bad.any(), f"bins {np.flatnonzero(bad).tolist()}: freq {freq[bad]} vs p {p[bad]} ({samples.size} draws)"
 
 
 def rel_err(got, want) -> float:
@@ -168,6 +225,7 @@ def ling_dir(tmp_path):
     import shutil
 
     import ling_tokenizer
+
     from lingjax.config import LingConfig
 
     d = tmp_path / "ckpt"

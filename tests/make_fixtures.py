@@ -45,10 +45,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
-import transformers
 from transformers import BailingHybridConfig, BailingHybridForCausalLM, GenerationConfig
 
 FIXTURE_ROOT = Path(__file__).resolve().parent / "fixtures"
@@ -565,7 +564,9 @@ def add_mtp_tensors(d: Path, cfg, seed: int) -> list[str]:
 
     # shapes must match the fixture's own MLA / MoE layers
     ref = list_keys(d)
-    mla = next(n for n, lt in enumerate(cfg.layer_types) if lt == "full_attention" and cfg.mlp_layer_types[n] == "sparse")
+    mla = next(
+        n for n, lt in enumerate(cfg.layer_types) if lt == "full_attention" and cfg.mlp_layer_types[n] == "sparse"
+    )
     for k, v in t.items():
         tail = k[len(p):]
         rk = f"model.layers.{mla}.{tail}"

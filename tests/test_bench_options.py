@@ -10,7 +10,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from common import add_options, kernel_option, tuning_for, tuning_label, xla_option  # noqa: E402
-
 from lingjax.config import preset  # noqa: E402
 from lingjax.pallas.kda_chain import ChainTuning  # noqa: E402
 from lingjax.pallas.moe_experts import one_token_tiles  # noqa: E402

@@ -60,7 +60,9 @@ def test_missing_tensor(tmp_path):
 
 def test_unexpected_tensor(tmp_path):
     d = _copy(SINGLE, tmp_path)
-    _rewrite(d / "model.safetensors", lambda t: t.update({"model.layers.0.attention.extra.weight": np.ones(3, np.float32)}))
+    _rewrite(
+        d / "model.safetensors", lambda t: t.update({"model.layers.0.attention.extra.weight": np.ones(3, np.float32)})
+    )
     msg = _load_error(d)
     assert "unexpected" in msg and "model.layers.0.attention.extra.weight" in msg and "model.safetensors" in msg
 
@@ -176,7 +178,9 @@ def test_save_load_round_trip_and_orbax(tmp_path):
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     back = lingjax.load(tmp_path / "hf", dtype="bfloat16")
     assert back.has_mtp and back.cfg == model.cfg
-    for a, b in zip(jax.tree.leaves(nnx.state(model.module, nnx.Param)), jax.tree.leaves(nnx.state(back.module, nnx.Param))):
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model.module, nnx.Param)), jax.tree.leaves(nnx.state(back.module, nnx.Param))
+    ):
         assert a.dtype == b.dtype and bool(jnp.array_equal(a, b))
     tokens = [5, 9, 2, 6, 5, 3]
     convert(tmp_path / "hf", tmp_path / "orbax", dtype=jnp.bfloat16)
@@ -184,7 +188,9 @@ def test_save_load_round_trip_and_orbax(tmp_path):
     assert fast.has_mtp and rel_err(fast.logits(tokens), model.logits(tokens)) == 0.0
     f32 = lingjax.load(tmp_path / "orbax", dtype="float32")
     assert f32.dtype == jnp.float32 and f32.module.layers[0].attn.a_log.dtype == jnp.float32
-    for a, b in zip(jax.tree.leaves(nnx.state(model.module, nnx.Param)), jax.tree.leaves(nnx.state(f32.module, nnx.Param))):
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model.module, nnx.Param)), jax.tree.leaves(nnx.state(f32.module, nnx.Param))
+    ):
         assert bool(jnp.array_equal(a.astype(jnp.float32), b))  # bf16 -> f32 is exact
     # an orbax checkpoint of an older parameter layout says so, instead of failing inside orbax
     meta = tmp_path / "orbax" / "lingjax.json"

@@ -238,8 +238,8 @@ def test_fp8_experts_refuse_mixed_weights():
 # ---- supports() at Flash's shapes and the Triton lowering for an H200 ---------------------------------------------
 def _flash_fp8_calls(tp: int):
     """(label, supports, kernel, args, kw) of the fp8 calls a Flash decode/verify makes on one device at `tp`: every
-    projection the Pallas linear reads (per-device shapes and device blocks from lingjax.model.fp8_layout) and the routed
-    experts with the fused shared expert."""
+    projection the Pallas linear reads (per-device shapes and device blocks from lingjax.model.fp8_layout) and the
+    routed experts with the fused shared expert."""
     cfg = preset("flash")
     layout = fp8_layout(cfg, tp)
     d, p, nh, e, k = cfg.hidden_size, cfg.kda_dim, cfg.num_heads, cfg.num_experts, cfg.num_experts_per_tok

@@ -1,4 +1,5 @@
-"""bench/kernel_stamps.py: the probed T = 1 layer (through lingjax.pallas.instrument.instrumented) equals the unprobed one,
+"""bench/kernel_stamps.py: the probed T = 1 layer (through lingjax.pallas.instrument.instrumented) equals the unprobed
+one,
 and the report's arithmetic (spreads from the first GEMV program, per-program phases, layer periods, 32-bit
 wraparound) is right."""
 
@@ -25,7 +26,9 @@ def _table(programs, start, wait, end, select=None, sm=None, clock=2.0):
     """A stamp table: times in ns from `start` etc. (arrays), SM clock at `clock` GHz from the same origin."""
     t = np.zeros((programs, len(ks.COLUMNS)), np.int64)
     t[:, ks.COL["sm"]] = np.arange(programs) if sm is None else sm
-    for name, ns in (("start", start), ("wait", wait), ("end", end)) + ((("select", select),) if select is not None else ()):
+    for name, ns in (("start", start), ("wait", wait), ("end", end)) + (
+        (("select", select),) if select is not None else ()
+    ):
         t[:, ks.COL[name + "_g"]] = ns
         t[:, ks.COL[name + "_c"]] = np.asarray(ns) * clock
     return (t % 2**32).astype(np.uint32).view(np.int32)  # the kernel stores low 32 bits

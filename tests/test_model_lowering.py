@@ -18,16 +18,17 @@ from jax._src.pallas.triton import gpu_info
 
 from conftest import FIXTURES
 from lingjax import engine, kernels, target
-from lingjax.ops import moe as moe_ops
 from lingjax.config import MOE, VERIFY_ROWS, LingConfig, preset
 from lingjax.execution import Exec
-from lingjax.model import MoE, ParamInit, abstract_model, paths_for
+from lingjax.model import MoE, abstract_model, paths_for
+from lingjax.ops import moe as moe_ops
 from lingjax.pallas.grid_dependency import WAIT_ASM
+from lingjax.param_init import ParamInit
 from lingjax.runtime import Model, RunOptions
-from lingjax.shipped import DEFAULT_CHECKPOINT, DEFAULT_NAME
 from lingjax.sampling import SamplingParams
-from lingjax.spec.step import SpecState
+from lingjax.shipped import DEFAULT_CHECKPOINT, DEFAULT_NAME
 from lingjax.spec import step as spec_step
+from lingjax.spec.step import SpecState
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -152,7 +153,7 @@ def test_expert_fallback_computes_the_real_rows():
 def test_step_programs_compile_without_gemm_autotuning():
     """The step programs pick each GEMM's algorithm by its shape, not by timing (XLA's autotuner times each
     program apart, so a decode and a verify could round one shape two ways): lossless bf16 speculation on the
-    GPU depends on it (bench/results/embedded_h200_2026-12-03_final.md). An A/B option still overrides it."""
+    GPU depends on it (bench/results/shipped/embedded_h200_2026-12-03_final.md). An A/B option still overrides it."""
     from lingjax.execution import CompileOptions, step_compiler_options
 
     assert step_compiler_options()["xla_gpu_autotune_level"] == 0

@@ -21,8 +21,14 @@ from lingjax.engine import PREFILL_CHUNK
 from lingjax.ops import moe
 from lingjax.pallas import MIN_DOT_K, reads_one_row
 from lingjax.pallas.moe_align import PAIR_LIMIT, align_reference, moe_align
-from lingjax.pallas.moe_experts import (ExpertTuning, fused_experts, one_token_tiles, routed_experts,
-                                        supports_fused_experts, supports_routed_experts)
+from lingjax.pallas.moe_experts import (
+    ExpertTuning,
+    fused_experts,
+    one_token_tiles,
+    routed_experts,
+    supports_fused_experts,
+    supports_routed_experts,
+)
 from lingjax.pallas.moe_router import RouterTuning, partial_logits, route
 from lingjax.pallas.moe_router import supports as supports_route
 

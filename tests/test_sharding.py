@@ -134,9 +134,7 @@ def test_indivisible_tp_is_rejected():
 
 
 def test_orbax_restores_straight_into_shards(tmp_path):
-    from lingjax.checkpoint import convert
-
-    from lingjax.checkpoint import load_orbax
+    from lingjax.checkpoint import convert, load_orbax
 
     convert(FIXTURES / "tiny_c", tmp_path / "orbax", dtype=jax.numpy.float32)
     mesh = sharding.make_mesh(2)

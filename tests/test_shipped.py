@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+from make_shipped_reference import weights_sha256
 
 import lingjax
 from conftest import rel_err
 from lingjax.shipped import DEFAULT_CHECKPOINT
-from make_shipped_reference import weights_sha256
 
 REFERENCE = Path(__file__).parent / "fixtures" / "shipped_reference"
 HF_F32_TOL = 1e-4  # × max |HF logit|, as tests/test_parity.py: f32 against torch's f32

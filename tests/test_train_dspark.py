@@ -53,7 +53,9 @@ def test_command_trains_resumes_and_exports(tmp_path, capsys):
     assert summary["step"] == 3 and np.isfinite(summary["held_out"]["loss"])
     model = lingjax.load(draft=export)
     assert model.draft.cfg.block_size == 4 and model.draft.cfg.mask_token_id == 7
-    assert lingjax.generate(model, "def f(x):", 6, spec="dspark").tokens == lingjax.generate(model, "def f(x):", 6).tokens
+    assert (
+        lingjax.generate(model, "def f(x):", 6, spec="dspark").tokens == lingjax.generate(model, "def f(x):", 6).tokens
+    )
     code, _, err = _main(["--out", out, "--roots", f"stdlib={roots}", *FLAGS[:-2], "--mask-token-id", "8"], capsys)
     assert code == 2 and "another run" in err and "mask_token_id" in err
     # a new run starting from the exported drafter with longer blocks (its identity names the drafter), and one of

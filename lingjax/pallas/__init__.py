@@ -5,7 +5,6 @@ Every kernel is launched through `pallas_call` below, which starts it with gridd
 (lingjax.pallas.grid_dependency: the step programs run with programmatic dependent launch).
 """
 
-import contextlib
 
 import jax
 import jax.numpy as jnp

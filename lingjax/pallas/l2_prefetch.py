@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax._src import core as jax_core
 from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.pallas.triton import primitives as triton_primitives
 from jax._src.state import discharge as state_discharge
+from jax.experimental import pallas as pl
 
 LINE_BYTES = 128  # an L2 line (the prefetch's granule)
 PREFETCH_ASM = "prefetch.global.L2 [$1];"

@@ -32,8 +32,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops.fp8 import Fp8Array
-from lingjax.pallas import (MIN_DOT_K, ROW_PER_SUM, X_ROW_MIN_BYTES, dot_nt, is_pow2, pallas_call, pow2_tile,
-                            resolve_interpret, row_reader, scaled_k_loop, short_dot, x_row_mode, x_rows)
+from lingjax.pallas import (
+    MIN_DOT_K,
+    ROW_PER_SUM,
+    X_ROW_MIN_BYTES,
+    dot_nt,
+    is_pow2,
+    pallas_call,
+    pow2_tile,
+    resolve_interpret,
+    row_reader,
+    scaled_k_loop,
+    short_dot,
+    x_row_mode,
+    x_rows,
+)
 
 F32 = jnp.float32
 ROWS = 16  # the rows of x one program multiplies (a Triton dot's smallest M); fewer are padded

@@ -30,13 +30,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops.fp8 import Fp8Array
-from lingjax.pallas import (MIN_DOT_K, ROW_PER_SUM, X_ROW_MIN_BYTES, dot_nt, is_pow2, pallas_call, pow2_tile,
-                            resolve_interpret, row_reader, scaled_k_loop, selected, short_dot, x_row_mode, x_rows)
-from lingjax.pallas import moe_router
+from lingjax.pallas import (
+    MIN_DOT_K,
+    ROW_PER_SUM,
+    X_ROW_MIN_BYTES,
+    dot_nt,
+    is_pow2,
+    moe_router,
+    pallas_call,
+    pow2_tile,
+    resolve_interpret,
+    row_reader,
+    scaled_k_loop,
+    selected,
+    short_dot,
+    x_row_mode,
+    x_rows,
+)
+from lingjax.pallas.expert_weights import fp8_blocks, streamed
 from lingjax.pallas.l2_prefetch import lines_per_program, prefetch_share
 from lingjax.pallas.moe_align import BLOCK_M, moe_align, n_blocks_for
-from lingjax.pallas.moe_router import (check_routing, partial_logits, route, token_expert, token_logits,
-                                      token_routing)
+from lingjax.pallas.moe_router import check_routing, partial_logits, route, token_expert, token_logits, token_routing
 
 F32 = jnp.float32
 # Shared memory a pipelined K loop may take on an H200 (232448 B per block), less room for the rest of
@@ -310,28 +324,6 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, bloc
             y_ref[npairs + 1 + tok, cols] = block(lambda ks: sd_ref[cols, ks], scale, block_k)  # unweighted
 
 
-def _q(w):
-    """The array a kernel streams: an fp8 weight's float8_e4m3fn values (its scales go in beside), else w."""
-    return w.q if isinstance(w, Fp8Array) else w
-
-
-def _fp8_blocks(w_gate, w_up, w_down, shared):
-    """The scale blocks of fp8 expert weights: (up, down), each None for plain weights or a tuple of (gn, gk) per
-    weight family (the experts', then the shared expert's). Mixed plain and fp8 weights, or gate and up in other
-    blocks, are refused."""
-    weights = (w_gate, w_up, w_down) + tuple(shared or ())
-    kinds = {isinstance(w, Fp8Array) for w in weights}
-    if kinds == {False}:
-        return None, None
-    if len(kinds) > 1:
-        raise ValueError("the expert kernels take all expert weights (routed and shared) in fp8 or none")
-    if w_gate.block != w_up.block or (shared is not None and shared[0].block != shared[1].block):
-        raise ValueError(f"gate and up weights in other scale blocks: {w_gate.block}, {w_up.block}")
-    up = (w_gate.block,) + (() if shared is None else (shared[0].block,))
-    down = (w_down.block,) + (() if shared is None else (shared[2].block,))
-    return up, down
-
-
 def _single_token_slots(top_k: int, block_m: int):
     """The block plan at T = 1 without an align launch: a token's top-k experts are distinct, so pair j gets
     block j alone (slot j·block_m) and block j's expert is the token's j-th: a constant slot table [k·BM] int32
@@ -423,7 +415,7 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     block_m = tuning.block_m
     if shared is not None and shared[0].shape != (i_dim, d):
         raise ValueError(f"a fused shared expert needs width {i_dim}, got {shared[0].shape}")
-    up_blocks, down_blocks = _fp8_blocks(w_gate, w_up, w_down, shared)
+    up_blocks, down_blocks = fp8_blocks(w_gate, w_up, w_down, shared)
     # an fp8 weight's N tile lies inside one scale block (one scale per tile and K block)
     bn_up = pow2_tile(i_dim, min([tuning.bn_up] + [b[0] for b in up_blocks or ()]))
     bn_down = pow2_tile(d, min([tuning.bn_down] + [b[0] for b in down_blocks or ()]))
@@ -431,8 +423,8 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     scales_up = () if not up_blocks else (w_gate.scale, w_up.scale) + (() if shared is None else
                                                                      (shared[0].scale, shared[1].scale))
     scales_down = () if not down_blocks else (w_down.scale,) + (() if shared is None else (shared[2].scale,))
-    w_gate, w_up, w_down = (_q(w) for w in (w_gate, w_up, w_down))
-    shared = None if shared is None else tuple(_q(w) for w in shared)
+    w_gate, w_up, w_down = (streamed(w) for w in (w_gate, w_up, w_down))
+    shared = None if shared is None else tuple(streamed(w) for w in shared)
     slots = nb * block_m if routing else plan[0].shape[0]
     ns = 0 if shared is None else pl.cdiv(t, block_m)  # shared-expert blocks
     # at T = 1 the shared expert's block runs on more programs, each narrower: they stream while the routed

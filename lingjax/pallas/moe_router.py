@@ -25,8 +25,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import (MIN_DOT_K, X_ROW_MIN_BYTES, dot_nt, is_pow2, pallas_call, reads_one_row, resolve_interpret,
-                            short_dot, x_rows)
+from lingjax.pallas import (
+    MIN_DOT_K,
+    X_ROW_MIN_BYTES,
+    dot_nt,
+    is_pow2,
+    pallas_call,
+    reads_one_row,
+    resolve_interpret,
+    short_dot,
+    x_rows,
+)
 
 F32 = jnp.float32
 

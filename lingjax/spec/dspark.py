@@ -24,14 +24,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from lingjax.dtypes import dtype_of
 from lingjax.sampling import SamplingParams, processed_logits
-from lingjax.sharding import path_keys
 from lingjax.spec.drafters import Proposal, TargetRows
-from lingjax.spec.dspark_model import DSparkConfig, DSparkConfigError, DSparkDraft, abstract_draft
+from lingjax.spec.dspark_model import DSparkConfig, DSparkDraft, abstract_draft
 
 
 @jax.tree_util.register_dataclass

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lingjax.model import ParamInit
 from lingjax.ops.linear import linear
 from lingjax.ops.norms import rms_norm
 from lingjax.ops.rope import rope_half
+from lingjax.param_init import ParamInit
 
 F32 = jnp.float32
 
@@ -85,7 +85,9 @@ class DSparkConfig:
                 f"target's ({target_cfg.hidden_size}, {target_cfg.vocab_size}): embeddings and lm_head are shared")
         bad = [i for i in self.target_layer_ids if not 0 <= i < target_cfg.num_hidden_layers]
         if bad:
-            raise DSparkConfigError(f"target_layer_ids {bad} outside the target's {target_cfg.num_hidden_layers} layers")
+            raise DSparkConfigError(
+                f"target_layer_ids {bad} outside the target's {target_cfg.num_hidden_layers} layers"
+            )
 
     # ---- config.json --------------------------------------------------------------------------------
     @classmethod

@@ -103,7 +103,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, *, min_frequen
 
 
 def _added_token(content: str) -> dict:
-    return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    return {
+        "content": content,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
 
 
 def tokenizer_config(model_max_length: int) -> dict:

@@ -18,6 +18,7 @@ from the constants below.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 
@@ -127,7 +128,8 @@ class Trainer:
         synced_at, synced_step = time.perf_counter(), self.p.step
         reason = "final_step"
         while self.p.step < total:
-            if self.budget.exhausted(self.p.steps_done, lambda: self._end_s(synced_at, synced_step)):
+            end_s = functools.partial(self._end_s, synced_at, synced_step)  # read now, at this step
+            if self.budget.exhausted(self.p.steps_done, end_s):
                 reason = "time_limit"
                 break
             self.state, metrics = fn(self.state, self.batches.batch(self.p.step))
