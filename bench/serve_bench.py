@@ -24,7 +24,7 @@ import numpy as np
 
 import lingjax
 from common import Report, add_options, heading, parser
-from lingjax import engine
+from lingjax import engine, requests
 from lingjax.spec import dspark_io
 
 
@@ -109,7 +109,7 @@ def main(argv=None):
     ap.add_argument("--time-budget", type=float, default=600.0, help="seconds for the measured requests")
     args = ap.parse_args(argv)
     try:
-        engine.check_prefill_chunk(args.prefill_chunk)
+        requests.check_prefill_chunk(args.prefill_chunk)
     except ValueError as e:
         ap.error(f"--prefill-chunk: {e}")
     if args.spec == "nextn" and args.steps is None:
