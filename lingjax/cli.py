@@ -186,6 +186,15 @@ def _draft(args, cfg, name: str):
     return str(choice), draft_cfg.block_size
 
 
+# check_generation's arguments that are flags of their own: a message about one names the flag, as --help spells it
+_REQUEST_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "steps", "widths", "rounds_per_call")
+
+
+def _as_flag(message: str) -> str:
+    name = message.split(" ", 1)[0]
+    return "--" + name.replace("_", "-") + message[len(name):] if name in _REQUEST_FLAGS else message
+
+
 def _check_request(cfg, prompt_len: int, args, name: str) -> None:
     from lingjax import requests
 
@@ -197,8 +206,8 @@ def _check_request(cfg, prompt_len: int, args, name: str) -> None:
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, spec=args.spec,
                                   steps=args.steps, widths=args.widths, rounds_per_call=args.rounds_per_call,
                                   has_mtp=cfg.num_nextn_predict_layers > 0, draft_block=block, seed=args.seed)
-    except ValueError as e:  # the widths' range names the flag, as the help spells it
-        raise UsageError(f"--{e}" if str(e).startswith("widths must") else str(e)) from None
+    except ValueError as e:
+        raise UsageError(_as_flag(str(e))) from None
     requests.check_stop_ids(args.stop_ids, cfg.vocab_size)
     _check_devices(cfg, args, name)
 

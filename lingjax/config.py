@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lingjax.presets import PRESETS
+
 KDA = "kda"
 MLA = "mla"
 DENSE = "dense"
@@ -296,94 +298,10 @@ def _limits(raw: dict, name: str) -> tuple[float, ...]:
     return tuple(_typed(v or 0.0, name, float) for v in values)
 
 
-# ---- presets -------------------------------------------------------------------------------
-# Ling-3.0-flash in the official spelling. SwiGLU limits are third-party readings of the real file
-# (docs/model.md §6.3, marked uncertain); a real checkpoint's config.json always wins.
-_FLASH = {
-    "architectures": ["BailingMoeV3ForCausalLM"],
-    "model_type": "bailing_hybrid",
-    "num_hidden_layers": 42,
-    "hidden_size": 2560,
-    "intermediate_size": 6144,
-    "first_k_dense_replace": 2,
-    "num_experts": 512,
-    "num_experts_per_tok": 8,
-    "num_shared_experts": 1,
-    "moe_intermediate_size": 768,
-    "moe_shared_expert_intermediate_size": 768,
-    "n_group": 8,
-    "topk_group": 4,
-    "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True,
-    "vocab_size": 157184,
-    "tie_word_embeddings": False,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "head_dim": 128,
-    "q_lora_rank": None,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "rope_theta": 6e6,
-    "rope_scaling": None,
-    "max_position_embeddings": 262144,
-    "rms_norm_eps": 1e-6,
-    "layer_group_size": 6,
-    "short_conv_kernel_size": 4,
-    "kda_safe_gate": True,
-    "kda_lower_bound": -5.0,
-    "num_nextn_predict_layers": 1,
-    "expert_swiglu_limit_list": [0.0] * 35 + [4.0] * 7,
-    "share_expert_swiglu_limit_list": [0.0] * 34 + [5.0] * 6 + [7.0] * 2,
-    "eos_token_id": 156895,
-    "pad_token_id": 156892,
-}
-
-# A small model with every feature of Flash (both attention kinds in one group, dense + MoE, MTP,
-# SwiGLU limits) for the CLI on a fresh machine and for tests.
-_TINY = {
-    **_FLASH,
-    "num_hidden_layers": 3,
-    "layer_group_size": 3,
-    "first_k_dense_replace": 1,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_experts": 16,
-    "num_experts_per_tok": 4,
-    "moe_intermediate_size": 32,
-    "moe_shared_expert_intermediate_size": 32,
-    "n_group": 4,
-    "topk_group": 2,
-    "vocab_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "head_dim": 16,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "rope_theta": 10000.0,
-    "expert_swiglu_limit_list": [0, 6.0, 6.0, 6.0],
-    "share_expert_swiglu_limit_list": [0, 0, 8.0, 8.0],
-    "eos_token_id": 511,
-    "pad_token_id": 510,
-}
-
-# Flash's widths (hidden, heads, 512 experts, vocab) at reduced depth: one group of 5 KDA + 1 MLA,
-# one dense layer; ~19 B parameters with MTP. For GPU benchmarks of per-layer cost and the step.
-_MID = {
-    **_FLASH,
-    "num_hidden_layers": 6,
-    "first_k_dense_replace": 1,
-    "expert_swiglu_limit_list": [0.0] * 5 + [4.0],
-    "share_expert_swiglu_limit_list": [0.0] * 5 + [7.0],
-}
-
-PRESETS = {"flash": _FLASH, "mid": _MID, "tiny": _TINY}
 
 
 def preset(name: str) -> LingConfig:
+    """The LingConfig of a named config of lingjax.presets."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return LingConfig.from_hf(PRESETS[name])

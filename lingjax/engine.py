@@ -27,9 +27,8 @@ from lingjax.detokenize import TextStream
 from lingjax.requests import PREFILL_CHUNK
 from lingjax.runtime import Model
 from lingjax.sampling import NONFINITE, SamplingParams
-from lingjax.spec import step as spec_step
 from lingjax.spec.drafters import NextnDrafter
-from lingjax.spec.step import SpecState, read_output_row
+from lingjax.spec.step import SpecState, read_output_row, spec_program
 from lingjax.spec.width_schedule import WidthSchedule
 
 MIN_CAPACITY = 256
@@ -174,7 +173,7 @@ def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafte
     """Yields each call's new tokens (the prefill's first token, then d_1..d_n, b' of each round the
     call ran), appending each round's accept length to accept_lens. drafters: verify width -> drafter (one for a
     fixed width); choose(report) -> the width of the next call, from the last report read (None before any)."""
-    programs = {w: spec_step.spec_program(model, d, sampling, rounds_per_call) for w, d in drafters.items()}
+    programs = {w: spec_program(model, d, sampling, rounds_per_call) for w, d in drafters.items()}
     widest = max(drafters)
     bonus, state = spec_prefill(model, programs[widest], drafters[widest], prompt, max_new_tokens, base_key, chunk)
     pending, pending_width, produced, report = bonus, None, 0, None

@@ -3,8 +3,10 @@
 `kernels="xla"` runs the plain-JAX references in lingjax/ops; `kernels="pallas"` runs the Pallas kernels in
 lingjax/pallas (interpret mode off the GPU, so the same model runs everywhere); `kernels="auto"` (the
 default) is "pallas" on a GPU and "xla" elsewhere. Which op a layer needs (chain or chunked KDA, absorbed or
-expanded MLA, gathered or sorted experts) is chosen by shape in lingjax.model.paths_for; this module only
-picks the implementation of an op.
+expanded MLA, the Pallas linear or XLA's GEMM, the decode's routing inside the expert launches) is chosen by the
+number of tokens once, in lingjax.model.paths_for, whose flags the layers read; this module only picks the
+implementation of an op. (The experts' XLA reference gathers weights at decode/verify rows and sorts the pairs
+above: that is the reference's own algorithm; the Pallas kernels serve every T.)
 
 Each Pallas entry point takes its reference's arguments and returns its result, plus a keyword-only
 `tuning` (the kernel's frozen tuning dataclass). Each has a `supports` function beside it: on a GPU, a call

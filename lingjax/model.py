@@ -55,6 +55,7 @@ F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class Paths:
     small: bool  # decode/verify-shaped (T <= VERIFY_ROWS): row-wise ops on padded rows, Pallas linear, reductions
+    decode: bool  # T = 1: a Pallas MoE routes inside its expert launches
     kda_chunked: bool  # chunked KDA form (prefill) instead of the recurrence
     mla_absorbed: bool  # absorbed MLA (reads the latent cache directly)
     tokens: int  # T, the forward's new tokens
@@ -73,9 +74,7 @@ def paths_for(num_tokens: int, ex: Exec = Exec(), pad_small: bool = True) -> Pat
     """pad_small=False: no row padding (the MTP drafter's forwards: a draft only decides acceptance,
     never an emitted token, so it needs no row invariance and skips the padded rows' work)."""
     small = num_tokens <= VERIFY_ROWS
-    # (the experts op picks its own form: lingjax.ops.moe.experts gathers weights at small T and sorts the
-    # pairs above; the Pallas grouped GEMMs serve every T)
-    return Paths(small=small, kda_chunked=not small, mla_absorbed=small,
+    return Paths(small=small, decode=num_tokens == 1, kda_chunked=not small, mla_absorbed=small,
                  tokens=num_tokens, rows=VERIFY_ROWS if small and pad_small else num_tokens, ex=ex)
 
 
@@ -279,6 +278,13 @@ class MoE(nnx.Module):
             if cfg.shared_intermediate_size else None
         )
 
+    def fuses_shared(self) -> bool:
+        """Whether the shared expert runs inside the experts op (in the Pallas kernels: as extra blocks of the
+        same launches): it has the routed experts' width and storage (both fp8 or both plain)."""
+        shared = self.shared
+        return (shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]
+                and isinstance(shared.gate_proj, Fp8Weight) == isinstance(self.w_gate, Fp8Weight))
+
     def routing(self, cfg: LingConfig, paths: Paths) -> dict:
         return dict(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                     scaling=cfg.routed_scaling_factor, renormalize=cfg.norm_topk_prob,
@@ -298,17 +304,14 @@ class MoE(nnx.Module):
         experts (padded rows would read experts of their own). -> [rows, D] in x's dtype, all-reduced once."""
         w = (self.w_gate[...], self.w_up[...], self.w_down[...])
         shared = self.shared
-        # the shared expert, when its width matches, runs inside the experts op (in the Pallas kernels: as
-        # extra blocks of the same launches)
-        fuse = (shared is not None and shared.gate_proj.shape == self.w_gate.shape[1:]
-                and isinstance(shared.gate_proj, Fp8Weight) == isinstance(self.w_gate, Fp8Weight))
+        fuse = self.fuses_shared()
         extra = dict(shared=(shared.gate_proj[...], shared.up_proj[...], shared.down_proj[...]),
                      shared_limit=shared.limit) if fuse else {}
         routed_args = (x, dense(self.router[...], F32), self.router_bias[...], *w, self.limit)
         routed_kwargs = dict(tokens=1, **self.routing(cfg, paths), **extra)
         # decode: the up kernel routes the token itself, no select launch. Where a GPU refuses that kernel the
         # decode routes and runs the experts as a verify does (one form for both: row invariance)
-        if (paths.tokens == 1 and paths.ex.runs_pallas("moe_experts") and paths.ex.runs_pallas("moe_route")
+        if (paths.decode and paths.ex.runs_pallas("moe_experts") and paths.ex.runs_pallas("moe_route")
                 and paths.ex.runs_kernel("moe_routed_experts", *routed_args, **routed_kwargs)):
             with jax.named_scope("moe_experts"):
                 y = paths.op("moe_routed_experts")(*routed_args, **routed_kwargs)

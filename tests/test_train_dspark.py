@@ -42,10 +42,12 @@ def test_command_trains_resumes_and_exports(tmp_path, capsys):
     roots = _roots(tmp_path / "corpus")
     out, export = tmp_path / "run", tmp_path / "draft"
     argv = ["--out", out, "--roots", f"stdlib={roots}", *FLAGS]
-    code, stdout, _ = _main(argv + ["--time-limit-s", "0"], capsys)
+    # the time limit keeps the export's reserve (command.EXPORT_RESERVE_S, 45 s) in hand: under it, the one step
+    # every call takes, then a stop before the next, saved, not exported
+    code, stdout, _ = _main(argv + ["--time-limit-s", "40"], capsys)
     assert code == 0
     first = json.loads(stdout.strip().splitlines()[-1])
-    assert first["step"] == 1 < first["total"]  # the time limit: one step, saved, not exported
+    assert first["step"] == 1 < first["total"]
     assert not (out / "export").exists()
     code, stdout, _ = _main(argv + ["--export", export], capsys)
     assert code == 0 and "step 3:" in stdout and "export:" in stdout
@@ -75,7 +77,7 @@ def test_command_trains_resumes_and_exports(tmp_path, capsys):
 @pytest.mark.parametrize("argv, says", [
     (["--steps", "0"], "--steps must be >= 1"),
     (["--anchors", "40", "--seq-len", "32"], "does not fit"),
-    (["--lr", "-1"], "--lr must be > 0"),
+    (["--lr", "-1"], "--lr must be a positive number"),
     (["--block-size", "16"], "give --block-size <= 15"),
     (["--target", "no/such/dir"], "needs config.json"),
     (["--roots", "nolabel"], "LABEL=PATH"),

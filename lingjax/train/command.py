@@ -9,6 +9,8 @@
     def main(argv=None) -> int: ...
 
     if TimeBudget(limit_s).exhausted(steps_done, end_s): ...   # --time-limit-s: stop before another step
+    reserve = save_reserve_s(state) + (EXPORT_RESERVE_S if exports else 0)  # what follows the last step
+    positive("--lr", a.lr); not_a_file("--out", a.out)  # the checks both make, in one wording
     seconds = save(rep, run_dir, step, state, record)  # a checkpoint, reported as one line
     outputs, seconds = evaluate(program, calls)        # an evaluation, read back from the device once
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -74,6 +77,17 @@ def at_least(flag: str, value, minimum=1) -> None:
         raise CommandError(f"{flag} must be >= {minimum}, got {value}")
 
 
+def positive(flag: str, value: float) -> None:
+    if not value > 0 or not math.isfinite(value):
+        raise CommandError(f"{flag} must be a positive number, got {value}")
+
+
+def not_a_file(flag: str, path: Path | None) -> None:
+    """A run or export directory: created when missing, refused when a file is there."""
+    if path is not None and path.exists() and not path.is_dir():
+        raise CommandError(f"{flag} {path} is a file, not a directory")
+
+
 def parse_roots(items: list[str] | None) -> dict[str, Path]:
     """--roots ["label=path", ...] -> {label: path}, each path an existing directory, each label unique; None
     (the flag not given) -> corpus.default_roots(), this interpreter's stdlib and site-packages."""
@@ -111,13 +125,25 @@ def one_line_errors(prog: str):
     return wrap
 
 
+# What the time limit keeps in hand for the work after the last step, before it has been measured in the call:
+# a save writes about SAVE_BYTES_PER_S; an export with its smoke completion takes EXPORT_RESERVE_S.
+SAVE_BYTES_PER_S = 50_000_000
+SAVE_FIXED_S = 2.0
+EXPORT_RESERVE_S = 45.0
+
+
+def save_reserve_s(state) -> float:
+    """Seconds a save of `state` is expected to take, before one has been timed."""
+    return SAVE_FIXED_S + sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / SAVE_BYTES_PER_S
+
+
 @dataclasses.dataclass(frozen=True)
 class TimeBudget:
     """--time-limit-s (None: no limit), counted from the start of the call. The first step of a call is always
     taken, so every call makes progress; after it, a step is taken only when the call, taking it, would still
     end within the limit. Where it would end is the trainer's estimate, in seconds since the call started: the
-    LM trainer's adds the steps in flight, the step and what follows the loop (evaluation, save, export); the
-    drafter's is the time so far."""
+    time at the last sync, the steps in flight and the next one at the measured step time, then what follows the
+    loop (evaluation, save, export)."""
 
     limit_s: float | None
 

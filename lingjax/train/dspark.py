@@ -251,14 +251,13 @@ def parse_args(argv):
     if a.anchors > a.seq_len - a.block_size + 1:
         raise CommandError(f"--anchors {a.anchors} does not fit a sequence of {a.seq_len} with blocks of "
                            f"{a.block_size}")
-    if not a.lr > 0:
-        raise CommandError(f"--lr must be > 0, got {a.lr}")
+    command.positive("--lr", a.lr)
     if a.target is None:
         a.target = default_checkpoint()
     if not (a.target / "config.json").is_file() or not (a.target / "tokenizer.json").is_file():
         raise CommandError(f"--target {a.target}: needs config.json and tokenizer.json (an HF checkpoint)")
-    if a.out.exists() and not a.out.is_dir():
-        raise CommandError(f"--out {a.out} is a file")
+    command.not_a_file("--out", a.out)
+    command.not_a_file("--export", a.export)
     a.roots = command.parse_roots(a.roots)
     if a.init is not None and not (a.init / "config.json").is_file():
         raise CommandError(f"--init {a.init}: no config.json (not a DSpark draft checkpoint)")
@@ -306,22 +305,36 @@ def initial_params(init: Path, target_cfg, block_cfg) -> dict:
 
 
 def train(a, rc: DraftRunConfig, rep: Reporter, step_fn, state: dict, target: Target, batches, start: int):
-    """The steps of this call, from start to the final step or the time limit (command.TimeBudget, its end
-    estimated by the time so far); a log line every --log-every steps. -> (state, the step reached)."""
+    """The steps of this call, from start to the final step or the time limit (command.TimeBudget: the time at
+    the last sync, the steps in flight and the next one at the step time measured between syncs, then the
+    evaluation, save and export that follow); a log line every --log-every steps. -> (state, the step reached)."""
     total = rc.optim.total_steps
     budget = command.TimeBudget(a.time_limit_s)
-    step, tick, last = start, time.perf_counter(), None
-    while step < total and not budget.exhausted(step - start, rep.elapsed):
+    exports = a.export is not None or total > start
+    reserve_s = command.save_reserve_s(state) + (command.EXPORT_RESERVE_S if exports else 0.0)
+    step = start
+    step_s, synced_s, synced_step = 0.0, rep.elapsed(), start  # the step time, as of the last sync
+    log_t, log_step = time.perf_counter(), start
+
+    def end_s() -> float:  # the steps in flight, the next one, and an evaluation (about a step) with the reserve
+        return synced_s + (step - synced_step + 2) * step_s + reserve_s
+
+    while step < total and not budget.exhausted(step - start, end_s):
         state, metrics = step_fn(state, target, jnp.asarray(batches.batch(step)))
         step += 1
-        if step % a.log_every == 0 or step == total:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        logs = step % a.log_every == 0 or step == total
+        if not logs and step - start > 2:  # the first two steps are synced alone: compile, then a steady step
+            continue
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now_s = rep.elapsed()
+        step_s, synced_s, synced_step = (now_s - synced_s) / (step - synced_step), now_s, step
+        if logs:
             now = time.perf_counter()
-            rate = (step - (last or start)) * rc.batch * rc.seq_len / (now - tick)
+            rate = (step - log_step) * rc.batch * rc.seq_len / (now - log_t)
             rep.report("train", f"step {step}: loss {m['loss']:.4f} ce {m['ce']:.3f} l1 {m['l1']:.3f} bce "
                        f"{m['bce']:.3f} E[accept] {m['expected_accept']:.2f} greedy run {m['greedy_run']:.2f} "
                        f"predicted {m['predicted_accept']:.2f} | {rate / 1e3:.0f}k tok/s", step=step, **m)
-            tick, last = now, step
+            log_t, log_step = now, step
     return state, step
 
 

@@ -1,6 +1,6 @@
-"""The embedded code model's config: an HF-spelled `bailing_hybrid` config.json dict (official spelling, as
-`lingjax.config`'s presets), with every Ling-3 feature: KDA and MLA layers in groups (`layer_group_size`),
-a leading dense layer, group-limited routing with a selection bias, shared experts and one MTP layer.
+"""The embedded code model's sizes and budgets. Its config (lingjax.presets.EMBEDDED, official spelling) has
+every Ling-3 feature: KDA and MLA layers in groups (`layer_group_size`), a leading dense layer, group-limited
+routing with a selection bias, shared experts and one MTP layer.
 
 Sizes, with V vocab, D hidden, L layers (L_k KDA, L_m MLA, one dense, L - 1 MoE), H heads of KDA dim d
 (P = H·d), MLA widths n (nope), r (rope), v (value), R (latent rank), E experts of width I, I_s shared width,
@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 
 from lingjax.config import LingConfig
+from lingjax.presets import PRESETS
 
 # Training shares the embedding with the output head (see the module docstring).
 TIE_EMBEDDINGS = True
@@ -44,79 +45,10 @@ SHIPPED_BYTES_BUDGET = 22_000_000
 RESUME_BYTES_BUDGET = 50_000_000
 CHECKPOINT_DISK_BUDGET = 60_000_000  # a saved resume state on disk, orbax's files included: what a run carries
 
-EOS_TOKEN_IDS = [0, 1]  # <|endoftext|>, <|role_end|> (lingjax.train.bpe.SPECIAL_TOKENS)
-PAD_TOKEN_ID = 0
-
-EMBEDDED = {
-    "architectures": ["BailingMoeV3ForCausalLM"],
-    "model_type": "bailing_hybrid",
-    "vocab_size": 8192,
-    "hidden_size": 192,
-    "num_hidden_layers": 8,
-    "layer_group_size": 4,  # layers 3 and 7 MLA, the rest KDA
-    "first_k_dense_replace": 1,
-    "intermediate_size": 512,  # the dense layer 0
-    # attention: HF reads one head count for both kinds (linear_num_heads = num_attention_heads)
-    "num_attention_heads": 3,
-    "num_key_value_heads": 3,  # HF's MLA repeats k/v by heads // num_key_value_heads (its default is 32)
-    "head_dim": 64,  # KDA head dim (official spelling)
-    "short_conv_kernel_size": 4,
-    "kda_safe_gate": True,
-    "kda_lower_bound": -5.0,
-    "q_lora_rank": None,
-    "kv_lora_rank": 128,
-    "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 32,
-    "v_head_dim": 64,
-    "rope_theta": 50000.0,
-    "rope_scaling": None,
-    "rope_interleave": True,
-    "max_position_embeddings": 4096,
-    # MoE: 16 experts in 4 groups, 2 groups kept, top-4, sigmoid scores + selection bias (noaux_tc)
-    "num_experts": 16,
-    "num_experts_per_tok": 4,
-    "moe_intermediate_size": 40,
-    "num_shared_experts": 2,  # HF sizes the shared expert as moe_intermediate_size · num_shared_experts
-    "moe_shared_expert_intermediate_size": 80,
-    "n_group": 4,
-    "topk_group": 2,
-    "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True,
-    "score_function": "sigmoid",
-    "topk_method": "noaux_tc",
-    "num_nextn_predict_layers": 1,
-    "rms_norm_eps": 1e-6,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "tie_word_embeddings": False,  # the shipped checkpoint has its own lm_head.weight (module docstring)
-    "eos_token_id": EOS_TOKEN_IDS,
-    "pad_token_id": PAD_TOKEN_ID,
-    "bos_token_id": None,
-}
-
-# The same structure at toy sizes (2 groups of 2, every feature kept) for tests and `--config small`.
-SMALL = {
-    **EMBEDDED,
-    "vocab_size": 512,
-    "hidden_size": 32,
-    "num_hidden_layers": 4,
-    "layer_group_size": 2,  # layers 1 and 3 MLA
-    "intermediate_size": 64,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "kv_lora_rank": 16,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 16,
-    "num_shared_experts": 2,
-    "moe_shared_expert_intermediate_size": 32,
-    "n_group": 4,
-    "topk_group": 2,
-}
+EMBEDDED = PRESETS["embedded"]
+SMALL = PRESETS["small"]  # the same structure at toy sizes, for tests and `--config small`
+EOS_TOKEN_IDS = EMBEDDED["eos_token_id"]  # <|endoftext|>, <|role_end|> (lingjax.train.bpe.SPECIAL_TOKENS)
+PAD_TOKEN_ID = EMBEDDED["pad_token_id"]
 
 CONFIGS = {"embedded": EMBEDDED, "small": SMALL}
 

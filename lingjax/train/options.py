@@ -10,10 +10,9 @@ directory, corpus roots), which may change from call to call.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
-from lingjax.train import model_config, optim, step
+from lingjax.train import command, model_config, optim, step
 from lingjax.train.command import CommandError, Parser, at_least, parse_roots
 
 PROG = "lingjax.train"
@@ -68,8 +67,7 @@ def parse_args(argv: list[str] | None) -> Options:
     at_least("--warmup-steps", a.warmup_steps, 0)
     at_least("--eval-every", a.eval_every)
     at_least("--log-every", a.log_every)
-    if not a.lr > 0 or not math.isfinite(a.lr):
-        raise CommandError(f"--lr must be a positive number, got {a.lr}")
+    command.positive("--lr", a.lr)
     if a.save_every_s <= 0:
         raise CommandError(f"--save-every-s must be > 0, got {a.save_every_s}")
     if a.time_limit_s is not None and not a.time_limit_s >= 0:
@@ -82,8 +80,7 @@ def parse_args(argv: list[str] | None) -> Options:
     max_len = model_config.config_dict(a.config)["max_position_embeddings"]
     if a.seq_len + 1 > max_len:
         raise CommandError(f"--seq-len {a.seq_len} does not fit the model's {max_len} positions")
-    for flag, path in (("--out", a.out), ("--export", a.export)):
-        if path is not None and path.exists() and not path.is_dir():
-            raise CommandError(f"{flag} {path} is a file, not a directory")
+    command.not_a_file("--out", a.out)
+    command.not_a_file("--export", a.export)
     return Options(rc=rc, out=a.out, roots=parse_roots(a.roots), time_limit_s=a.time_limit_s,
                    eval_every=a.eval_every, log_every=a.log_every, save_every_s=a.save_every_s, export=a.export)

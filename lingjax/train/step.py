@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from lingjax.config import LingConfig
+from lingjax.dtypes import dtype_of
 from lingjax.train import forward, loss, model_config, optim
-
-COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +41,7 @@ class RunConfig:
 
     def __post_init__(self):
         model_config.config_dict(self.config)  # a known name
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
+        dtype_of(self.compute_dtype, "compute_dtype")  # a known name
         if self.batch < 1 or self.seq_len < 1:
             raise ValueError(f"batch and seq_len must be >= 1, got {self.batch} and {self.seq_len}")
 
@@ -94,7 +92,7 @@ def train_step_fn(rc: RunConfig):
     in rc.compute_dtype), clip + factored AdamW, then the selection-bias update from the step's loads.
     The state is donated. metrics: loss.loss_and_metrics' scalars plus "grad_norm" (before clipping)."""
     cfg, tx = rc.cfg, optim.build(rc.optim)
-    objective = functools.partial(loss.loss_and_metrics, cfg=cfg, compute_dtype=COMPUTE_DTYPES[rc.compute_dtype],
+    objective = functools.partial(loss.loss_and_metrics, cfg=cfg, compute_dtype=dtype_of(rc.compute_dtype),
                                   remat=rc.remat, mtp_weight=rc.mtp_weight, balance_weight=rc.balance_weight)
 
     def step(state, batch):
@@ -113,7 +111,7 @@ def train_step_fn(rc: RunConfig):
 def eval_fn(rc: RunConfig):
     """jitted (params, biases, windows int32 [n, T + 1], mask bool [n, T]) -> (summed next-token NLL over the
     masked targets, nats f32; their count int32): the main model only, at the training compute dtype."""
-    cfg, dtype = rc.cfg, COMPUTE_DTYPES[rc.compute_dtype]
+    cfg, dtype = rc.cfg, dtype_of(rc.compute_dtype)
 
     def evaluate(params, biases, windows, mask):
         p = forward.cast_params(params, cfg, dtype)

@@ -12,7 +12,7 @@ window, as bits per byte) runs every --eval-every steps, a save every --save-eve
 runs once more unless this step had it. The loop stops at the final step or when command.TimeBudget says so,
 its estimate of the call's end being the steps in flight, one more, and the evaluation, save and (at the final
 step or with --export) export that follow, each timed at its last run in this call, or before that estimated
-from the constants below.
+from lingjax.train.command's constants.
 """
 
 from __future__ import annotations
@@ -30,12 +30,6 @@ from lingjax.train.command import CommandError
 from lingjax.train.options import Options
 from lingjax.train.prepare import RunData
 from lingjax.train.report import Reporter, since
-
-# What the time limit keeps in hand for the work after the last step, before it has been measured in this
-# call: a save writes about SAVE_BYTES_PER_S; an export with its smoke completion takes EXPORT_RESERVE_S.
-SAVE_BYTES_PER_S = 50_000_000
-SAVE_FIXED_S = 2.0
-EXPORT_RESERVE_S = 45.0
 
 
 def eval_batches(windows: data.EvalWindows, batch: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -104,9 +98,8 @@ class Trainer:
         """Seconds the work after the last step needs: an evaluation, a save and, when one follows, the export."""
         step_s = self.p.step_s or 0.0
         eval_s = self.p.eval_s if self.p.eval_s is not None else step_s * len(self.eval_pieces) / 2
-        save_s = self.p.save_s if self.p.save_s is not None else SAVE_FIXED_S + optim.tree_bytes(
-            self.state) / SAVE_BYTES_PER_S
-        return eval_s + save_s + (EXPORT_RESERVE_S if exports else 0.0)
+        save_s = self.p.save_s if self.p.save_s is not None else command.save_reserve_s(self.state)
+        return eval_s + save_s + (command.EXPORT_RESERVE_S if exports else 0.0)
 
     def _end_s(self, synced_at: float, synced_step: int) -> float:
         """When the call would end (seconds since its start) after one more step: the steps dispatched since the
