@@ -1,4 +1,4 @@
-"""`lingjax` command line: generate, chat, convert, info.
+"""`lingjax` command line: generate, chat, serve, convert, info.
 
 Every request is checked before a weight is drawn or read; a bad one is one `lingjax: error: ...` line and
 exit status 2. `--help` imports no jax.
@@ -383,6 +383,12 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from lingjax.serve.command import serve
+
+    return serve(args)
+
+
 def _amount(n: int, giga: str, mega: str) -> str:
     """n in units of 1e9 (e.g. "124.41 B") or, below that, of 1e6 ("8.63 M")."""
     return f"{n / 1e9:.2f} {giga}" if n >= 1e9 else f"{n / 1e6:.2f} {mega}"
@@ -448,6 +454,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--scale-fmt", choices=["float32", "ue8m0"], default="float32",
                    help="with --fp8: the scales' format (ue8m0: powers of two)")
     v.set_defaults(run=cmd_convert)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server at batch 1 (the serve extra; docs/serve.md)",
+                       **_HELP)
+    _add_model_args(s)
+    from lingjax.serve.command import add_arguments
+
+    add_arguments(s)
+    s.set_defaults(run=cmd_serve)
 
     i = sub.add_parser("info", help="config summary and parameter count (abstract: no memory used)", **_HELP)
     _add_model_args(i)
