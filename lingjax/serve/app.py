@@ -51,7 +51,7 @@ def create_app(backend) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": backend.name}
+        return {"status": "ok", "model": backend.name, "generations": dict(worker.counts)}
 
     @app.get("/v1/models")
     async def models():

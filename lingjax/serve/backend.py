@@ -111,6 +111,7 @@ class Worker:
     def __init__(self):
         self._lock = asyncio.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="lingjax-generate")
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0}  # generations so far, by how they ended
 
     async def submit(self, run: Callable[[Callable[[str], None], Callable[[], bool]], object]) -> Job:
         await self._lock.acquire()
@@ -122,9 +123,13 @@ class Worker:
 
         def work():
             try:
-                put(("done", run(lambda text: put(("text", text)), job.cancel_event.is_set)))
+                result = run(lambda text: put(("text", text)), job.cancel_event.is_set)
             except BaseException as e:  # noqa: BLE001 - handed to the request, which answers it
+                self.counts["cancelled" if isinstance(e, Cancelled) else "failed"] += 1
                 put(("error", e))
+            else:
+                self.counts["completed"] += 1
+                put(("done", result))
 
         try:
             future = loop.run_in_executor(self._thread, work)
