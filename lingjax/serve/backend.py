@@ -82,8 +82,9 @@ class ModelBackend:
                                       has_mtp=self.model.has_mtp, draft_block=draft, seed=seed)
         except ValueError as e:
             message = str(e).replace("max_new_tokens", "max_tokens")
-            param = message.split(" ", 1)[0] if message.split(" ", 1)[0] in (
-                "max_tokens", "temperature", "top_k", "top_p", "seed") else None
+            first = message.split(" ", 1)[0]
+            param = first if first in ("max_tokens", "temperature", "top_k", "top_p", "seed") else (
+                "max_tokens" if "max_tokens" in message else None)  # the prompt plus max_tokens past the length
             raise ApiError(message, param=param, code="invalid_value") from None
         return dict(max_new_tokens=max_new, temperature=sampling.temperature, top_k=sampling.top_k,
                     top_p=sampling.top_p, seed=seed, stop=sampling.stop + self.stop_strings(chat), spec=self.spec,
