@@ -191,3 +191,18 @@ def test_concurrent_clients_each_get_their_own_answer(client):
     for t in threads:
         t.join(timeout=300)
     assert not errors and got == want, json.dumps([errors, got, want], default=str)
+
+
+def test_serve_bench_over_http(server, tmp_path):
+    from pathlib import Path
+
+    root = Path(lingjax.__file__).resolve().parent.parent
+    out = tmp_path / "http.md"
+    run = subprocess.run([sys.executable, str(root / "bench" / "serve_bench.py"), "--url", server, "--prompt-len",
+                          "12", "--output-len", "6", "--requests", "2", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = out.read_text()
+    assert f"over HTTP: {MODEL} at {server}" in report and "| requests measured | 2 (asked 2," in report
+    for row in ("mean TPOT", "median TPOT", "output throughput", "mean TTFT"):
+        assert f"| {row} | " in report

@@ -88,7 +88,7 @@ class ModelBackend:
             raise ApiError(message, param=param, code="invalid_value") from None
         return dict(max_new_tokens=max_new, temperature=sampling.temperature, top_k=sampling.top_k,
                     top_p=sampling.top_p, seed=seed, stop=sampling.stop + self.stop_strings(chat), spec=self.spec,
-                    steps=self.steps, widths=self.widths)
+                    steps=self.steps, widths=self.widths, ignore_eos=sampling.ignore_eos)
 
     def run(self, prompt: Prompt, kwargs: dict, on_text: Callable[[str], None],
             cancelled: Callable[[], bool]):

@@ -44,6 +44,7 @@ class Sampling:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    ignore_eos: bool = False  # an extension (as SGLang's and vLLM's): generate past the stop tokens, for benchmarks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +134,13 @@ def _sampling(body: Mapping, max_tokens_names: tuple[str, ...]) -> Sampling:
         stop = check_stop_strings(body.get("stop"))
     except ValueError as e:
         raise ApiError(str(e), param="stop", code="invalid_value") from None
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(f"ignore_eos must be true or false, got {ignore_eos!r}", param="ignore_eos",
+                       code="invalid_value")
     return Sampling(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
                     top_p=_number(body, "top_p", 1.0), top_k=_number(body, "top_k", 0, integer=True), seed=seed,
-                    stop=stop)
+                    stop=stop, ignore_eos=ignore_eos)
 
 
 def _stream(body: Mapping) -> tuple[bool, bool]:
@@ -153,7 +158,7 @@ def _stream(body: Mapping) -> tuple[bool, bool]:
 
 COMPLETION_FIELDS = {"model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
                      "stream", "stream_options", "best_of", "echo", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "logprobs", "logit_bias"}
+                     "repetition_penalty", "logprobs", "logit_bias", "ignore_eos"}
 
 
 def completion_request(body: Mapping, served: str) -> CompletionRequest:
@@ -187,7 +192,7 @@ def completion_request(body: Mapping, served: str) -> CompletionRequest:
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                "stop", "n", "stream", "stream_options", "tools", "tool_choice", "chat_template_kwargs",
                "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
-               "logit_bias", "response_format"}
+               "logit_bias", "response_format", "ignore_eos"}
 
 
 def _message(i: int, m) -> dict:
