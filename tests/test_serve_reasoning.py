@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import random
+import socket
 
 import pytest
 
@@ -223,3 +224,36 @@ def test_scripted_thinking_off_and_tool_choice_none_give_content(scripted):
                                                                "messages": [{"role": "user", "content": "x"}],
                                                                "tools": TOOLS})
     assert status == 400 and body["error"]["param"] == "tool_choice"
+
+
+def test_an_earlier_calls_arguments_reach_the_template_as_a_mapping():
+    from lingjax.serve.protocol import ApiError, chat_request
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    body = {"model": "m", "tools": TOOLS, "messages": [
+        {"role": "user", "content": "Rome?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}
+    req = chat_request(body, "m")
+    assert req.messages[1]["content"] == "" and req.messages[1]["tool_calls"][0]["function"]["arguments"] == {
+        "city": "Rome"}
+    assert req.messages[2]["tool_call_id"] == "call_1" and req.tool_choice == "auto"
+    call["function"]["arguments"] = "[1, 2"
+    with pytest.raises(ApiError, match="arguments must be a JSON object"):
+        chat_request(body, "m")
+
+
+def test_serve_refuses_a_bad_command_line_before_loading(capsys):
+    from lingjax import cli
+
+    for argv, error in ((["--port", "70000"], "--port must be in [1, 65535]"),
+                        (["--steps", "3"], "--steps (drafts per speculative round) has no effect without spec"),
+                        (["--draft", "none"], "--draft has no effect without --spec dspark")):
+        assert cli.main(["serve", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("lingjax: error: ") and error in err and err.count("\n") == 1
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 2
+        assert f"lingjax: error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

@@ -214,7 +214,30 @@ def _message(i: int, m) -> dict:
         raise ApiError(f"messages[{i}].content must be a string or text parts", param=f"messages[{i}].content",
                        code="invalid_value")
     out["content"] = content
+    if m.get("tool_calls") is not None:
+        out["tool_calls"] = [_past_call(i, j, call) for j, call in enumerate(m["tool_calls"])] \
+            if isinstance(m["tool_calls"], list) else _past_call(i, 0, None)
     return out
+
+
+def _past_call(i: int, j: int, call) -> dict:
+    """An assistant message's earlier tool call, its arguments as a mapping: OpenAI clients send them as a JSON
+    string, and templates in Ling-3's format iterate them (`arguments.items()`), as transformers passes them."""
+    where = f"messages[{i}].tool_calls[{j}]"
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise ApiError(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}",
+                       param=where, code="invalid_value")
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            args = None
+    if not isinstance(args, Mapping):
+        raise ApiError(f"{where}.function.arguments must be a JSON object", param=f"{where}.function.arguments",
+                       code="invalid_value")
+    return {**call, "function": {**fn, "arguments": dict(args)}}
 
 
 def _tools(body: Mapping) -> tuple[list[dict] | None, str]:
