@@ -206,3 +206,26 @@ def test_serve_bench_over_http(server, tmp_path):
     assert f"over HTTP: {MODEL} at {server}" in report and "| requests measured | 2 (asked 2," in report
     for row in ("mean TPOT", "median TPOT", "output throughput", "mean TTFT"):
         assert f"| {row} | " in report
+
+
+def test_raw_stream_shape(server):
+    import urllib.request
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(server + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        lines = [line.decode() for line in r if line.strip()]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]\n"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert len({(c["id"], c["created"], c["model"], c["object"]) for c in chunks}) == 1
+    *text, usage = chunks
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    for c in text:
+        (choice,) = c["choices"]
+        assert set(choice) >= {"index", "delta", "finish_reason"} and choice["index"] == 0
+    assert [c["choices"][0]["finish_reason"] for c in text][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in text[:-1])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from serve_helpers import ThreadServer, post  # noqa: E402
+from serve_helpers import ThreadServer, get, post  # noqa: E402
 
 from lingjax.detokenize import TextStream  # noqa: E402
 from lingjax.serve.app import create_app  # noqa: E402
@@ -152,6 +152,8 @@ class ScriptedBackend:
         for at in range(0, len(ids), self.burst):
             if cancelled():
                 raise Cancelled
+            if at and "FAIL" in (prompt.text or ""):
+                raise RuntimeError("the device fell over")
             text = stream.push(ids[at:at + self.burst])
             if text:
                 on_text(text)
@@ -257,3 +259,18 @@ def test_serve_refuses_a_bad_command_line_before_loading(capsys):
         port = busy.getsockname()[1]
         assert cli.main(["serve", "--port", str(port)]) == 2
         assert f"lingjax: error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_a_generation_that_fails_midway_is_reported_and_frees_the_engine(scripted):
+    server, client = scripted
+    before = get(server.url + "/health")["generations"]
+    with pytest.raises(openai.InternalServerError, match="the device fell over"):
+        client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "FAIL"}])
+    with pytest.raises(openai.APIError, match="the device fell over"):
+        list(client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "FAIL"}],
+                                            stream=True))
+    reply = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Rome?"}],
+                                           tools=TOOLS)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    after = get(server.url + "/health")["generations"]
+    assert after["failed"] == before["failed"] + 2 and after["completed"] == before["completed"] + 1
