@@ -274,3 +274,44 @@ def test_a_generation_that_fails_midway_is_reported_and_frees_the_engine(scripte
     assert reply.choices[0].finish_reason == "tool_calls"
     after = get(server.url + "/health")["generations"]
     assert after["failed"] == before["failed"] + 2 and after["completed"] == before["completed"] + 1
+
+
+def test_the_worker_runs_one_generation_at_a_time_first_come_first_served():
+    import asyncio
+    import threading
+
+    from lingjax.serve.backend import Worker
+
+    order, running, overlap = [], [], []
+    gate = threading.Event()
+
+    def job(name):
+        def run(on_text, cancelled):
+            running.append(name)
+            overlap.append(len(running))
+            if name == "a":
+                gate.wait(timeout=60)  # the first holds the engine while the others queue
+            order.append(name)
+            on_text(name)
+            running.remove(name)
+            return name
+        return run
+
+    async def main():
+        worker = Worker()
+
+        async def ask(name):
+            j = await worker.submit(job(name))
+            events = []
+            while not events or events[-1][0] == "text":
+                events.append(await j.events.get())
+            return events
+
+        tasks = [asyncio.create_task(ask(n)) for n in "abcd"]
+        await asyncio.sleep(0)
+        gate.set()
+        return await asyncio.gather(*tasks), worker.counts
+
+    results, counts = asyncio.run(main())
+    assert order == list("abcd") and max(overlap) == 1
+    assert results == [[("text", n), ("done", n)] for n in "abcd"] and counts["completed"] == 4

@@ -61,7 +61,7 @@ def serve(args) -> int:
     cfg, _, name, tokenizer = _source(args)
     _check_request(cfg, 1, args, name)
     _check_port(args.host, args.port)
-    served = args.served_model_name or (DEFAULT_NAME if is_default_checkpoint(name) else Path(name).name)
+    served = args.served_model_name or (DEFAULT_NAME if is_default_checkpoint(name) else Path(name).resolve().name)
     model = _load(args, name, tokenizer)
 
     from lingjax.serve.app import create_app
