@@ -383,12 +383,6 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
-    from lingjax.serve.command import serve
-
-    return serve(args)
-
-
 def _amount(n: int, giga: str, mega: str) -> str:
     """n in units of 1e9 (e.g. "124.41 B") or, below that, of 1e6 ("8.63 M")."""
     return f"{n / 1e9:.2f} {giga}" if n >= 1e9 else f"{n / 1e6:.2f} {mega}"
@@ -455,13 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --fp8: the scales' format (ue8m0: powers of two)")
     v.set_defaults(run=cmd_convert)
 
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server at batch 1 (the serve extra; docs/serve.md)",
-                       **_HELP)
-    _add_model_args(s)
-    from lingjax.serve.command import add_arguments
+    from lingjax.serve.command import add_parser as add_serve_parser
 
-    add_arguments(s)
-    s.set_defaults(run=cmd_serve)
+    add_serve_parser(sub, _add_model_args, **_HELP)
 
     i = sub.add_parser("info", help="config summary and parameter count (abstract: no memory used)", **_HELP)
     _add_model_args(i)

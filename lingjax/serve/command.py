@@ -3,16 +3,19 @@ generate`: a bad request is one error line before any weight is read)."""
 
 from __future__ import annotations
 
-import argparse
 import socket
 import sys
 from pathlib import Path
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The serve subcommand's own flags (the model flags are the CLI's)."""
+def add_parser(sub, add_model_args, **kwargs) -> None:
+    """The `serve` subcommand under the CLI's subparsers: the CLI's model flags (add_model_args), then its own."""
     from lingjax.cli import _ids
 
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server at batch 1 (the serve extra; docs/serve.md)",
+                       **kwargs)
+    add_model_args(p)
+    p.set_defaults(run=serve)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--spec", choices=["nextn", "dspark"], default=None,
