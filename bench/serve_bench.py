@@ -4,6 +4,8 @@ one request after another.
     python bench/serve_bench.py --model mid --prompt-len 8192 --output-len 1024 --requests 1000 \\
         --time-budget 240 --spec nextn --steps 3 --out serve_mid.md
     python bench/serve_bench.py --model tiny --prompt-len 40 --output-len 9 --requests 2 --prefill-chunk 32  # CPU
+    python bench/serve_bench.py --url http://127.0.0.1:8000 --prompt-len 8192 --output-len 1024 --requests 50
+        # over HTTP, against a running `lingjax serve` (its --spec is the server's); bench/serve_http.py
 
 Definitions (SGLang's bench_serving; docs/speculation.md): TPOT per request = (latency - TTFT) / (output tokens
 - 1), excluding TTFT; mean and median over requests. Output throughput = output tokens / benchmark duration (after
@@ -91,6 +93,41 @@ def report(model, args, warmup_s, results, began, duration) -> None:
     say.row("mean TTFT", f"{statistics.fmean(r.ttft_s for _, r in results) * 1e3:.1f} ms")
 
 
+def run_http(args) -> None:
+    """--url: the same requests through a running server, TTFT and TPOT measured at the client."""
+    import serve_http
+
+    model = serve_http.served_model(args.url)
+    rng = np.random.default_rng(0)
+
+    def request():
+        return serve_http.stream_completion(args.url, model, rng.integers(0, 1000, args.prompt_len).tolist(),
+                                            args.output_len)
+
+    t = time.perf_counter()
+    request()  # the warm-up: the server compiles its programs for these shapes
+    warmup_s = time.perf_counter() - t
+    results, began = [], time.perf_counter()
+    while len(results) < args.requests and time.perf_counter() - began < args.time_budget:
+        results.append(request())
+        show_progress(len(results), args.requests, began, results[-1].tpot_s * 1e3)
+    duration = time.perf_counter() - began
+    print(file=sys.stderr)
+    say = Report(args.out)
+    say(f"# serve_bench over HTTP: {model} at {args.url}")
+    say(f"command: `python {' '.join(sys.argv)}`")
+    say(f"prompt {args.prompt_len} random ids, output {args.output_len}, concurrency 1, greedy, EOS ignored, "
+        f"streamed; warm-up request {warmup_s:.1f} s")
+    say()
+    tpots = [r.tpot_s for r in results]
+    say.table("metric", "value")
+    say.row("requests measured", f"{len(results)} (asked {args.requests}, budget {args.time_budget:.0f} s)")
+    say.row("mean TPOT", f"{statistics.fmean(tpots) * 1e3:.3f} ms")
+    say.row("median TPOT", f"{statistics.median(tpots) * 1e3:.3f} ms")
+    say.row("output throughput", f"{sum(r.tokens for r in results) / duration:.1f} tok/s")
+    say.row("mean TTFT", f"{statistics.fmean(r.ttft_s for r in results) * 1e3:.1f} ms")
+
+
 def main(argv=None):
     ap = parser(__doc__)
     add_options(ap, "model", "dtype", "kernels", "tp", "router_precision", "weights", "out")
@@ -107,7 +144,15 @@ def main(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=engine.PREFILL_CHUNK,
                     help="prompt tokens per prefill program (a power of two); each chunk reads the weights once")
     ap.add_argument("--time-budget", type=float, default=600.0, help="seconds for the measured requests")
+    ap.add_argument("--url", default=None, help="measure over HTTP against a running `lingjax serve` at this URL "
+                    "(the model and speculation are the server's)")
     args = ap.parse_args(argv)
+    if args.url is not None:
+        if args.spec is not None or args.steps is not None:
+            ap.error("--spec and --steps are the server's with --url: start it with `lingjax serve --spec ...`")
+        if args.requests < 1 or args.output_len < 2 or args.prompt_len < 1:
+            ap.error("--url needs --requests >= 1, --output-len >= 2 and --prompt-len >= 1")
+        return run_http(args)
     try:
         requests.check_prefill_chunk(args.prefill_chunk)
     except ValueError as e:

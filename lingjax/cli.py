@@ -1,4 +1,4 @@
-"""`lingjax` command line: generate, chat, convert, info.
+"""`lingjax` command line: generate, chat, serve, convert, info.
 
 Every request is checked before a weight is drawn or read; a bad one is one `lingjax: error: ...` line and
 exit status 2. `--help` imports no jax.
@@ -64,6 +64,8 @@ def _add_run_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and preset weights' seed)")
     p.add_argument("--stop-ids", type=_ids, default=[], help="extra stop token ids")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's stop tokens")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop where the text holds TEXT, cut before it (repeatable)")
     p.add_argument("--spec", choices=["nextn", "dspark"], default=None,
                    help="speculate: nextn with the MTP layer, dspark with a DSpark drafter (--draft)")
     p.add_argument("--steps", type=int, default=None, help="drafts per speculative round with --spec (nextn: "
@@ -156,7 +158,8 @@ def _messages(system: str | None, user: str) -> list[dict]:
 def _generation_kwargs(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                 stop_ids=args.stop_ids, top_k=args.top_k, top_p=args.top_p, ignore_eos=args.ignore_eos,
-                spec=args.spec, steps=args.steps, rounds_per_call=args.rounds_per_call, widths=args.widths)
+                stop=args.stop, spec=args.spec, steps=args.steps, rounds_per_call=args.rounds_per_call,
+                widths=args.widths)
 
 
 def _draft(args, cfg, name: str):
@@ -209,6 +212,12 @@ def _check_request(cfg, prompt_len: int, args, name: str) -> None:
     except ValueError as e:
         raise UsageError(_as_flag(str(e))) from None
     requests.check_stop_ids(args.stop_ids, cfg.vocab_size)
+    from lingjax.stops import check_stop_strings
+
+    try:
+        check_stop_strings(args.stop)
+    except ValueError as e:
+        raise UsageError(f"--stop: {e}") from None
     _check_devices(cfg, args, name)
 
 
@@ -263,6 +272,10 @@ def cmd_generate(args) -> int:
                          "or text on stdin")
     if not args.chat and (args.system is not None or args.chat_option):
         raise UsageError("--system and --chat-option have no effect without --chat")
+    if args.suffix is not None and (args.chat or text is None):
+        raise UsageError("--suffix fills in the middle after a text prompt: give --prompt (without --chat)")
+    if args.stop and (args.ids or tokenizer is None):
+        raise UsageError("--stop cuts text; with token ids use --stop-ids")
     if text is not None:
         if tokenizer is None:
             raise UsageError(f"{name} has no tokenizer (no tokenizer.json): give --prompt-ids")
@@ -270,7 +283,12 @@ def cmd_generate(args) -> int:
             raise UsageError("the prompt is empty")
         if args.chat:
             text = render_for(tokenizer, name, _messages(args.system, text), **_chat_kwargs(args))
-        ids = tokenizer.encode(text)
+        if args.suffix is not None:
+            from lingjax.fim import fim_prompt
+
+            ids = fim_prompt(tokenizer, name, text, args.suffix)
+        else:
+            ids = tokenizer.encode(text)
     else:
         if args.chat:
             raise UsageError("--chat renders a text prompt; --prompt-ids are used as given")
@@ -409,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the chat template: the prompt is a user turn")
     _add_chat_args(g)
     g.add_argument("--ids", action="store_true", help="print token ids (space separated) instead of text")
+    g.add_argument("--suffix", default=None, metavar="TEXT",
+                   help="fill in the middle: generate what goes between the prompt and TEXT (the tokenizer's FIM "
+                        "tokens)")
     _add_run_args(g, max_new_tokens=128)
     g.set_defaults(run=cmd_generate)
 
@@ -427,6 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--scale-fmt", choices=["float32", "ue8m0"], default="float32",
                    help="with --fp8: the scales' format (ue8m0: powers of two)")
     v.set_defaults(run=cmd_convert)
+
+    from lingjax.serve.command import add_parser as add_serve_parser
+
+    add_serve_parser(sub, _add_model_args, **_HELP)
 
     i = sub.add_parser("info", help="config summary and parameter count (abstract: no memory used)", **_HELP)
     _add_model_args(i)

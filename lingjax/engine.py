@@ -24,12 +24,14 @@ import numpy as np
 from lingjax import compile_watch, requests
 from lingjax.chat_template import render_for
 from lingjax.detokenize import TextStream
+from lingjax.fim import fim_prompt
 from lingjax.requests import PREFILL_CHUNK
 from lingjax.runtime import Model
 from lingjax.sampling import NONFINITE, SamplingParams
 from lingjax.spec.drafters import NextnDrafter
 from lingjax.spec.step import SpecState, read_output_row, spec_program
 from lingjax.spec.width_schedule import WidthSchedule
+from lingjax.stops import StopCutter, check_stop_strings
 
 MIN_CAPACITY = 256
 
@@ -41,7 +43,7 @@ class NonFiniteLogits(RuntimeError):
 @dataclasses.dataclass
 class GenerationResult:
     tokens: list[int]  # new token ids (a stop token, when hit, is the last one)
-    stop_reason: str  # "stop" (a stop/EOS id) or "length" (max_new_tokens)
+    stop_reason: str  # "stop" (a stop/EOS id or a stop string) or "length" (max_new_tokens)
     prompt_len: int
     ttft_s: float  # submit -> first new token on the host
     tpot_mean_s: float  # (latency - TTFT) / (tokens - 1): excludes TTFT
@@ -49,7 +51,8 @@ class GenerationResult:
     total_s: float  # submit -> last token on the host
     token_times_s: list[float]  # per token, from submit (tokens of one step share its gap evenly)
     accept_lens: list[int] = dataclasses.field(default_factory=list)  # per speculative round read
-    text: str | None = None  # the new tokens but a stop token as text (special tokens left out); None: no tokenizer
+    text: str | None = None  # the new tokens but a stop token as text (special tokens left out), cut before a
+    # stop string; None: no tokenizer
     compile_s: float = 0.0  # of total_s, the seconds spent compiling (or loading) programs
 
     @property
@@ -210,8 +213,14 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
              stop_ids: Sequence[int] = (), *, top_k: int = 0, top_p: float = 1.0, ignore_eos: bool = False,
              on_token: Callable[[int], None] | None = None, on_text: Callable[[str], None] | None = None,
              spec: str | None = None, steps: int | None = None, drafter=None, rounds_per_call: int = 1,
-             prefill_chunk: int = PREFILL_CHUNK, widths: Sequence[int] | None = None) -> GenerationResult:
+             prefill_chunk: int = PREFILL_CHUNK, widths: Sequence[int] | None = None, stop=None,
+             suffix: str | None = None) -> GenerationResult:
     """Generate up to max_new_tokens after `prompt`: text (encoded with model.tokenizer) or token ids.
+
+    stop: strings (or one) that end the generation where the text first holds one: the text is cut before it, the
+    tokens end with the one that completed it (lingjax.stops; streamed text holds back only what could still start
+    one). suffix: fill in the middle between the text prompt and this text, through the tokenizer's FIM tokens
+    (lingjax.fim; ValueError when it has none).
 
     Stops at any of stop_ids or the tokenizer's stop ids (the config's EOS ids without a tokenizer) unless
     ignore_eos. on_token(id) is called as each token reaches the host; on_text(str) with the new text of each
@@ -229,12 +238,21 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     requests.check_callback("on_token", on_token)
     requests.check_callback("on_text", on_text)
     tokenizer = model.tokenizer
+    stop_texts = check_stop_strings(stop)
+    if (stop_texts or suffix is not None) and tokenizer is None:
+        raise ValueError(f"{model.source or 'this model'} has no tokenizer (no tokenizer.json): stop strings and a "
+                         "suffix need one")
+    if suffix is not None and not isinstance(suffix, str):
+        raise ValueError(f"suffix must be a string, got {type(suffix).__name__}")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"{model.source or 'this model'} has no tokenizer (no tokenizer.json): give token ids")
-        if not prompt:
+        if not prompt and suffix is None:
             raise ValueError("the prompt is empty")
-        prompt = tokenizer.encode(prompt)
+        prompt = (tokenizer.encode(prompt) if suffix is None
+                  else fim_prompt(tokenizer, model.source or "this model", prompt, suffix))
+    elif suffix is not None:
+        raise ValueError("a suffix (fill in the middle) needs a text prompt, not token ids")
     prompt = requests.check_prompt_ids(prompt, model.cfg.vocab_size)
     if drafter is not None and spec is not None:
         raise ValueError("give spec or drafter, not both")
@@ -258,6 +276,16 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     stream = TextStream(tokenizer) if tokenizer is not None else None
     if on_text is not None and stream is None:
         raise ValueError(f"on_text needs a tokenizer, and {model.source or 'this model'} has none")
+    cutter = StopCutter(stop_texts) if stop_texts else None
+
+    def emit(new: str) -> bool:
+        """Passes new text on (through the stop strings' cutter); whether a stop string ended it."""
+        hit = False
+        if cutter is not None:
+            new, hit = cutter.push(new)
+        if on_text and new:
+            on_text(new)
+        return hit
 
     compiling = compile_watch.watch().total_s
     t0 = time.perf_counter()
@@ -292,17 +320,27 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
                 if len(tokens) >= max_new_tokens:
                     break
             if stream is not None:  # the stop token is not text
-                new = stream.push(step_tokens[:kept - 1] if stop_reason == "stop" else step_tokens[:kept])
-                if on_text and new:
-                    on_text(new)
+                texts = step_tokens[:kept - 1] if stop_reason == "stop" else step_tokens[:kept]
+                if cutter is None:
+                    emit(stream.push(texts))
+                else:  # token by token, to know which token completed a stop string
+                    for j, value in enumerate(texts):
+                        if emit(stream.push([value])):
+                            cut = len(tokens) - kept + j + 1
+                            del tokens[cut:], times[cut:]
+                            stop_reason = "stop"
+                            break
             if stop_reason == "stop" or len(tokens) >= max_new_tokens:
                 break
     finally:
         steps_iter.close()
     if stream is not None:
-        rest = stream.flush()
-        if on_text and rest:
-            on_text(rest)
+        if not (cutter is not None and cutter.stopped):
+            emit(stream.flush())
+        if cutter is not None and not cutter.stopped:
+            rest = cutter.flush()
+            if on_text and rest:
+                on_text(rest)
     # rounds the device ran past the last kept token (a stop, max_new_tokens, the rest of a call) do
     # not count: keep the shortest prefix of rounds that covers the tokens after the first
     covered = np.cumsum(accept_lens)
@@ -318,7 +356,7 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
         total_s=times[-1],
         token_times_s=times,
         accept_lens=accept_lens,
-        text=stream.text if stream is not None else None,
+        text=(cutter.text if cutter is not None else stream.text) if stream is not None else None,
         compile_s=compile_watch.seconds() - compiling,
     )
 
