@@ -1,6 +1,6 @@
 # Sourced by the one-call device scripts (fp8_device_run.sh, fresh_machine_run.sh): the environment, the run's
 # heading in $OUT/steps.md, and step(): each step under a time cap inside one deadline (DEADLINE seconds from the
-# sourcing), its stdout and stderr in $OUT/NAME.log, its exit status and seconds in $OUT/steps.md. A step cut short
+# sourcing), its stdout and stderr in ${LOGDIR:-$OUT}/NAME.log, its exit status and seconds in $OUT/steps.md. A step cut short
 # keeps what its report printed (the benches rewrite --out line by line).
 : "${OUT:?set OUT to the directory the reports go to}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -28,7 +28,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...: run COMMAND under min(CAP, the tim
     fi
     ((cap > left)) && cap=$left
     local t0=$(date +%s)
-    timeout -k 5 "$cap" "$@" >"$OUT/$name.log" 2>&1
+    timeout -k 5 "$cap" "$@" >"${LOGDIR:-$OUT}/$name.log" 2>&1
     local rc=$?
     echo "- $name: rc $rc in $(($(date +%s) - t0)) s (cap $cap s): \`$*\`" | tee -a "$OUT/steps.md"
 }

@@ -34,6 +34,5 @@ else
         --xla-ops linear --xla-option xla_gpu_autotune_level=4 --out "$OUT/step_autotune.md"
     step step_dspark 200 python bench/step_bench.py --model mid --kernels pallas --weights dense fp8 \
         --programs decode nextn dspark --dspark --n 16 --out "$OUT/step_mid_fp8_dspark.md"
-    embedded 4
 fi
 finish

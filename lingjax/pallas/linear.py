@@ -64,7 +64,7 @@ class LinearTuning:
     (lingjax.pallas.x_row_mode: from a load of this many bytes per 4 warps; once per K step, split in registers,
     with x_row_split)."""
 
-    bn: int = 128
+    bn: int = 64
     bk: int = 0
     k_splits: int = 0
     min_split: int = 256
