@@ -50,10 +50,6 @@ class Exec:
     # trace-time observer: tap(event, value) is called while tracing, e.g. ("moe_route", experts [T, k]) at each
     # MoE layer that routes outside its expert kernels; for measurements (bench/), never changes a result
     tap: Callable[[str, jax.Array], None] | None = None
-    # layers whose output (the residual stream) every program materializes behind an optimization barrier: a block
-    # drafter's feature layers (Model.with_draft), so that the programs which read them (its verify and prefill)
-    # and those which do not (a plain decode) fuse, and so round, the layers around them alike
-    materialize: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.kernels not in kernels.KERNELS:

@@ -433,8 +433,10 @@ class LingModel(nnx.Module):
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             with jax.named_scope(f"layer{i}_{cfg.layer_types[i]}"):
                 x, layer_cache, staged = layer(cfg, x, layer_cache, positions, n_valid, paths)
-            if i in ex.materialize:
-                x = jax.lax.optimization_barrier(x)
+            # every layer's output is materialized behind a barrier, in every program: the layers around it then
+            # fuse, and so round, alike whether or not a program reads it (a block drafter's feature layers), so a
+            # plain program's tokens do not depend on whether a drafter is loaded (docs/engine.md, row invariance)
+            x = jax.lax.optimization_barrier(x)
             layers.append(layer_cache)
             staging.append(staged)
             if i in capture:

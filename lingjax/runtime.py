@@ -108,8 +108,6 @@ class Model:
         """Adopt `options` and start with no compiled program."""
         self.options = options
         self.ex = options.exec(sharding.AXIS if self.mesh is not None else None)
-        if self.draft is not None:
-            self.ex = dataclasses.replace(self.ex, materialize=self.draft.cfg.target_layer_ids)
         ps, cs, rep, vocab = self.weight_specs, self.cache_specs, P(), P(None, sharding.AXIS)
         self._extend_logits = jax.jit(self.sharded(self._extend_logits_impl, (ps, cs, rep, rep), (vocab, cs)),
                                       donate_argnums=(1,))
@@ -133,7 +131,7 @@ class Model:
             draft.params = self.put(draft.params)
         other = copy.copy(self)
         other.draft = draft
-        other._set_options(self.options)  # every program materializes the drafter's feature layers (Exec)
+        other._set_options(self.options)  # programs of its own, which read the drafter
         return other
 
     @property

@@ -136,6 +136,18 @@ def test_greedy_equals_plain_greedy(steps):
     assert max(result.accept_lens) == steps + 1 and result.mean_accept_len > 2
 
 
+def test_plain_greedy_does_not_depend_on_a_loaded_drafter():
+    """The shipped model in bf16 with and without its drafter: the same plain greedy tokens, so `--spec dspark` is
+    lossless against plain greedy from a model loaded without one. The prompt is one where a near-tie flipped
+    while only the programs of a model with a drafter materialized its feature layers."""
+    prompt = "import os\nclass Loader:\n    def __init__(self"
+    with_draft, without = lingjax.load(), lingjax.load(draft=None)
+    assert with_draft.draft is not None and without.draft is None
+    plain = lingjax.generate(without, prompt, 48, ignore_eos=True).tokens
+    assert lingjax.generate(with_draft, prompt, 48, ignore_eos=True).tokens == plain
+    assert lingjax.generate(with_draft, prompt, 48, ignore_eos=True, spec="dspark").tokens == plain
+
+
 def test_zero_accept_by_confidence_limit():
     """Survival below min_survival on every draft: the device-side limit counts none, whatever the drafts are
     (here the oracle's, right): every round emits the target's own token alone."""

@@ -57,8 +57,8 @@ def client(server):
 
 @functools.cache
 def _model():
-    # as the server loads it: the shipped model in bf16, without its drafter (loaded with --spec dspark only; the
-    # drafter's presence changes the plain program's bf16 rounding, and so near-tie tokens)
+    # as the server loads it: the shipped model in bf16, without its drafter (loaded with --spec dspark only; a plain
+    # program rounds alike with or without one: test_dspark.py)
     return lingjax.load(draft=None)
 
 
