@@ -40,10 +40,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import gzip
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -233,16 +231,11 @@ def profile_rounds(model, args, launches, round_hlo, rounds, t_call, say, spec: 
     if rounds > 1 and model.tp == 1:
         say(f"warning: tracing {rounds} rounds per call on one GPU: the loop is one CUDA graph and the profiler "
             "misses most kernels inside it (census 'idle' then means unseen); list --rounds-per-call 1 first")
-    launch = launches(args.profile_steps)
-    with tempfile.TemporaryDirectory() as raw:
-        with profiling.capture(raw) as trace:
-            jax.block_until_ready(launch()[1])
-        kernels = profiling.load_kernels(trace.path)
-        shutil.copy(trace.path, Path(args.profile) / f"{tag}.trace.json.gz")
     with gzip.open(Path(args.profile) / f"{tag}.round_hlo.txt.gz", "wt") as f:
         f.write(round_hlo)
     try:
-        return profiling.census(kernels, profiling.op_scopes(round_hlo), args.profile_steps * rounds, t_call / rounds)
+        return profiling.trace_census(launches(args.profile_steps), round_hlo, args.profile_steps * rounds,
+                                      t_call / rounds, keep=Path(args.profile) / f"{tag}.trace.json.gz")
     except ValueError as e:  # the raw trace and HLO are saved: the census can be redone offline
         say(f"census of {tag} failed: {e}")
         return None

@@ -1,4 +1,4 @@
-"""`lingjax` command line: generate, chat, convert, info.
+"""`lingjax` command line: generate, chat, convert, info, profile.
 
 Every request is checked before a weight is drawn or read; a bad one is one `lingjax: error: ...` line and
 exit status 2. `--help` imports no jax.
@@ -431,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="config summary and parameter count (abstract: no memory used)", **_HELP)
     _add_model_args(i)
     i.set_defaults(run=cmd_info)
+
+    from lingjax import profile_command  # imports no jax
+
+    profile_command.add_parser(sub)
     return parser
 
 
