@@ -6,6 +6,7 @@
     lingjax profile compare prof/a prof/b                # two saved censuses side by side
     lingjax profile compare --kernels xla pallas         # two kernel sets, run in one command
     lingjax profile compare --weights dense fp8          # bf16 against fp8 weights
+    lingjax profile compare --revs df9e41e HEAD          # two git revisions, each in its own worktree
 
 The request is checked before a weight is read; then the program is compiled, its unprofiled step timed (N steps
 back to back, the median of 3 runs), and N more traced. The census (lingjax.profiling) sorts the trace's kernels
@@ -56,10 +57,13 @@ def add_parser(sub) -> None:
                    help="save the trace (a jax.profiler log dir: XProf or Perfetto) and census.json/census.md here")
     p.set_defaults(run=run_profile)
     inner = p.add_subparsers(dest="profile_command", parser_class=cli._Parser)
-    c = inner.add_parser("compare", help="two censuses side by side: two saved ones (A B), or two kernel sets or "
-                                         "weight formats run here", **cli._HELP)
+    c = inner.add_parser("compare", help="two censuses side by side: two saved ones (A B), or two kernel sets, "
+                                         "weight formats or git revisions run here", **cli._HELP)
     c.add_argument("saved", nargs="*", type=Path, metavar="A B", help="two `lingjax profile --out` directories")
     _add_common(c, pairs=True)
+    c.add_argument("--revs", nargs=2, metavar="REV", default=None,
+                   help="two git revisions (or directories holding a tree), each profiled in a fresh process of its "
+                        "own tree: a temporary worktree (lingjax.revisions)")
     c.add_argument("--out", type=Path, default=None, help="save each side's trace and census under OUT/LABEL")
     c.set_defaults(run=run_compare)
 
@@ -182,9 +186,10 @@ def run_compare(args) -> int:
 
     if args.profile_command != "compare":
         raise cli.UsageError("expected `lingjax profile compare`")
-    forms = [bool(args.saved), args.kernels is not None, args.weights is not None]
+    forms = [bool(args.saved), args.kernels is not None, args.weights is not None, args.revs is not None]
     if sum(forms) != 1:
-        raise cli.UsageError("compare takes two saved censuses (A B), or --kernels A B, or --weights A B: one of them")
+        raise cli.UsageError("compare takes two saved censuses (A B), or --kernels A B, --weights A B or --revs A B: "
+                             "one of them")
     if args.saved:
         if len(args.saved) != 2:
             raise cli.UsageError(f"compare takes two saved censuses, got {len(args.saved)}")
@@ -195,6 +200,8 @@ def run_compare(args) -> int:
         print()
         print(profile_report.format_compare(labels, a, b))
         return 0
+    if args.revs is not None:
+        return _compare_revisions(args)
     cfg, name = _source(args)
     by_weights = args.weights is not None
     kernels = args.kernels or ["auto", "auto"]
@@ -220,4 +227,58 @@ def run_compare(args) -> int:
     print(f"B: {profile_report.describe(meta_b)}")
     print()
     print(profile_report.format_compare(tuple(labels), a, b))
+    return 0
+
+
+def _profile_argv(args) -> list[str]:
+    """The `lingjax profile` flags of this compare (its one kernel set and weight format: auto)."""
+    argv = ["--program", args.program, "--n", str(args.n), "--prompt-len", str(args.prompt_len), "--tp", str(args.tp),
+            "--dtype", args.dtype, "--router-precision", args.router_precision]
+    if args.model is not None:
+        argv += ["--model", args.model]
+    if args.checkpoint is not None:
+        argv += ["--checkpoint", str(args.checkpoint.resolve())]
+    if args.steps is not None:
+        argv += ["--steps", str(args.steps)]
+    return argv + (["--no-cache"] if args.no_cache else [])
+
+
+def _compare_revisions(args) -> int:
+    """Each revision's `lingjax profile` in a fresh process of its own tree, then the two saved censuses."""
+    import os
+    import subprocess
+    import tempfile
+
+    from lingjax import profile_report, revisions
+
+    a, b = args.revs
+    if a == b:
+        raise cli.UsageError("compare needs two different sides")
+    for rev in args.revs:
+        if not Path(rev).is_dir():
+            try:
+                revisions.short(rev)
+            except ValueError as e:
+                raise cli.UsageError(f"--revs {rev}: {e}") from None
+    argv = _profile_argv(args)
+    saved, labels = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, rev in enumerate(args.revs):
+            with revisions.tree(rev) as (root, label):
+                label = Path(label).name if Path(rev).is_dir() else label
+                out = (args.out / label if args.out is not None else Path(tmp) / str(i)).resolve()
+                _say(f"{label}: lingjax profile {' '.join(argv)} (in {root})")
+                env = dict(os.environ, PYTHONPATH=str(root))
+                done = subprocess.run([sys.executable, "-m", "lingjax.cli", "profile", *argv, "--out", str(out)],
+                                      cwd=root, env=env, stdout=subprocess.DEVNULL)
+                if done.returncode != 0:
+                    raise cli.UsageError(f"--revs {rev}: its `lingjax profile` failed (exit {done.returncode}; a "
+                                         "revision before `lingjax profile` has none)")
+                saved.append(profile_report.read(out))
+                labels.append(label)
+    (ca, meta_a), (cb, meta_b) = saved
+    print(f"A: {labels[0]}: {profile_report.describe(meta_a)}")
+    print(f"B: {labels[1]}: {profile_report.describe(meta_b)}")
+    print()
+    print(profile_report.format_compare(tuple(labels), ca, cb))
     return 0

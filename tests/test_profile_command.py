@@ -139,3 +139,28 @@ def test_compare_dense_and_fp8_weights_in_one_command(tmp_path, capsys):
     diff = profile_report.differences(dense[0], fp8[0])
     for cat in CATEGORIES:
         assert f"| {cat} | " in printed and f"{diff[cat]:+.0f} |" in printed
+
+
+def test_compare_refuses_an_unknown_revision(capsys):
+    assert "--revs no-such-rev-xyz: neither a directory nor a git revision" in _error(
+        capsys, ["profile", "compare", "--revs", "no-such-rev-xyz", "HEAD"])
+
+
+@pytest.mark.slow
+def test_compare_two_revisions(tmp_path, capsys):
+    """HEAD in a temporary worktree against this tree as it stands, each in a process of its own."""
+    from lingjax import revisions
+
+    try:
+        head = revisions.short("HEAD")
+    except ValueError:
+        pytest.skip("not a git checkout")
+    argv = ["profile", "compare", "--revs", "HEAD", str(revisions.ROOT), "--n", "1", "--prompt-len", "8",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"| µs per step | {head} | {revisions.ROOT.name} |" in printed
+    assert profile_report.read(tmp_path / head)[1]["program"] == "decode T=1"
+    assert not [line for line in revisions.subprocess.run(["git", "-C", str(revisions.ROOT), "worktree", "list"],
+                                                          capture_output=True, text=True).stdout.splitlines()
+                if f"lingjax-{head}-" in line]  # the temporary worktree is gone
