@@ -1,4 +1,4 @@
-"""`lingjax` command line: generate, chat, convert, info, profile.
+"""`lingjax` command line: generate, chat, convert, info.
 
 Every request is checked before a weight is drawn or read; a bad one is one `lingjax: error: ...` line and
 exit status 2. `--help` imports no jax.
