@@ -124,15 +124,26 @@ def load_kernels(trace_path: str | Path) -> list[Kernel]:
 
 
 def _cpu_thunks(events) -> list[Kernel]:
-    """XLA:CPU's thunks: host events with an `hlo_op`, on device `device_ordinal`. Thunks of one step may
-    run on several threads at once, so their summed time can exceed the step's span."""
-    kernels = []
+    """XLA:CPU's thunks: host events with an `hlo_op`, on device `device_ordinal`. A thunk that holds others on
+    its thread (a loop, a call: its body's thunks run inside its interval) is left out, so time is counted
+    once, in its leaves. Thunks of one step run on several threads at once, so their summed time can exceed the
+    step's span."""
+    by_thread = defaultdict(list)
     for e in events:
         args = e.get("args", {}) if e.get("ph") == "X" else {}
         if "hlo_op" in args:
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    kernels = []
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        for e, after in zip(thread, thread[1:] + [None]):
+            end = float(e["ts"]) + float(e.get("dur", 0.0))
+            if after is not None and float(after["ts"]) < end:
+                continue  # a parent: the next thunk on its thread starts inside it
+            args = e["args"]
             kernels.append(Kernel(int(args.get("device_ordinal", 0)), float(e["ts"]), float(e.get("dur", 0.0)),
                                   e.get("name", ""), str(args["hlo_op"]), str(args.get("hlo_module", ""))))
-    return kernels
+    return sorted(kernels, key=lambda k: k.start_us)
 
 
 def _gpu_kernels(events) -> list[Kernel]:

@@ -31,6 +31,7 @@ class Steady:
     prepare: Callable  # prepare(n) -> a fresh state after the prompt, with room for n calls
     call: Callable  # call(state) -> (state, output)
     lower: Callable  # lower(state) -> the call's optimised HLO text
+    drafts: int | None = None  # a round's drafts (S); None for decode
 
     def launcher(self, n: int):
         """-> launch(): n calls from a fresh state -> (start time, the last output)."""
@@ -51,19 +52,22 @@ class Steady:
         return self.lower(self.prepare(1))
 
 
-def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = None) -> Steady:
+def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = None, per_call: int = 1) -> Steady:
     """The steady state of `program` (PROGRAMS) on `model` after `prompt` (int32 [P]), greedy. steps: drafts per
-    round (nextn: default 5 as lingjax.requests; dspark: the drafter's block size)."""
+    round (nextn: default 5 as lingjax.requests; dspark: the drafter's block size). per_call: steps (decode) or
+    rounds run in one device call (a lax.scan: rounds_per_call); a call then outputs per_call steps' results. The
+    cache has room for 6 tokens a step of n calls (what bench/step_bench has always timed: an MLA step reads its
+    whole cache, so the room is part of the figure)."""
     from lingjax import engine
     from lingjax.sampling import SamplingParams
     from lingjax.spec import step as spec_step
 
     sampling, key = SamplingParams(), jax.random.key(0)
     if program == "decode":
-        _, decode = model.step_programs(sampling, 1)
+        _, decode = model.step_programs(sampling, per_call)
 
         def prepare(n):
-            token, cache = engine.plain_prefill(model, prompt, 2 * n + 8, sampling, key)
+            token, cache = engine.plain_prefill(model, prompt, 6 * n * per_call, sampling, key, per_call)
             return token, cache, jnp.int32(prompt.size)
 
         def call(state):
@@ -74,14 +78,14 @@ def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = 
         def lower(state):
             return decode.lower(model.weights, state[1], state[0], state[2], key).compile().as_text()
 
-        return Steady("decode T=1", prepare, call, lower)
+        return Steady("decode T=1" + (f", {per_call} per call" if per_call > 1 else ""), prepare, call, lower)
     if program not in PROGRAMS:
         raise ValueError(f"unknown program {program!r} (one of {', '.join(PROGRAMS)})")
     drafter = engine.make_drafter(model, program, steps)
-    spec = spec_step.spec_program(model, drafter, sampling)
+    spec = spec_step.spec_program(model, drafter, sampling, per_call)
 
-    def prepare(n):  # each round commits at least one token and reserves room for a whole verify width
-        return engine.spec_prefill(model, spec, drafter, prompt, (drafter.steps + 1) * (n + 2), key)[1]
+    def prepare(n):
+        return engine.spec_prefill(model, spec, drafter, prompt, 6 * n * per_call, key)[1]
 
     def call(state):
         return spec.round(spec.weights, state)
@@ -90,7 +94,8 @@ def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = 
         return spec.round.lower(spec.weights, state).compile().as_text()
 
     label = "NEXTN" if program == "nextn" else "DSpark"
-    return Steady(f"{label} round S={drafter.steps}", prepare, call, lower)
+    return Steady(f"{label} round S={drafter.steps}" + (f", {per_call} per call" if per_call > 1 else ""), prepare,
+                  call, lower, drafter.steps)
 
 
 def timed(steady: Steady, n: int, batches: int = 3) -> float:

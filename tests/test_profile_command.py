@@ -85,19 +85,21 @@ def test_cpu_thunks_load_by_module(tmp_path):
 
     events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
               {"ph": "X", "pid": 1, "tid": 2, "ts": 0, "dur": 100, "name": "ThunkExecutor::Execute", "args": {}},
-              thunk(0, 10, "ynn_fusion.1"), thunk(10, 5, "fusion.2"), thunk(20, 7, "copy.3", module="jit_other")]
+              thunk(0, 10, "ynn_fusion.1"), thunk(10, 5, "fusion.2"), thunk(20, 7, "copy.3", module="jit_other"),
+              thunk(30, 20, "while.4"), thunk(31, 4, "fusion.2"), thunk(40, 4, "fusion.2")]  # a loop and its body
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     kernels = profiling.load_kernels(path)
     assert [(k.hlo_op, k.module) for k in kernels] == [("ynn_fusion.1", "jit_step"), ("fusion.2", "jit_step"),
-                                                       ("copy.3", "jit_other")]
+                                                       ("copy.3", "jit_other"), ("fusion.2", "jit_step"),
+                                                       ("fusion.2", "jit_step")]  # the loop counts in its body
     hlo = ('HloModule jit_step, entry_computation_layout={}\n'
            '  %ynn_fusion.1 = f32[8]{0} fusion(%p), metadata={op_name="jit(step)/layer0_kda/kda_proj/...i,oi->...o"}\n'
            '  %fusion.2 = f32[8]{0} fusion(%p), metadata={op_name="jit(step)/layer0_kda/kda_recurrence/mul"}\n')
     assert profiling.module_name(hlo) == "jit_step"
     c = profiling.census(kernels, profiling.op_scopes(hlo), steps=1, module="jit_step")
-    assert c.by_category_us["dense GEMM"] == 10 and c.by_category_us["KDA"] == 5 and c.kernels_per_step == 2
+    assert c.by_category_us["dense GEMM"] == 10 and c.by_category_us["KDA"] == 13 and c.kernels_per_step == 4
     with pytest.raises(ValueError, match="in jit_none"):
         profiling.census(kernels, {}, steps=1, module="jit_none")
 
