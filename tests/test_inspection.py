@@ -14,7 +14,6 @@ def shipped():
     return lingjax.load()
 
 
-@pytest.mark.slow
 def test_walk_invariants(shipped):
     cfg = shipped.cfg
     ids = shipped.tokenizer.encode("def add(a, b):")

@@ -5,10 +5,12 @@ here asserts a time, only structure and sums."""
 
 import gzip
 import json
+import subprocess
+import sys
 
 import pytest
 
-from lingjax import cli, profile_report, profiling
+from lingjax import cli, profile_command, profile_report, profiling
 from lingjax.profiling import CATEGORIES, Census
 
 
@@ -31,8 +33,19 @@ def _error(capsys, argv) -> str:
     (["profile", "compare", "no/such/a", "no/such/b"], "no saved census"),
     (["profile", "--checkpoint", "no/such/dir"], "no such directory"),
 ])
-def test_bad_requests_are_one_line(capsys, argv, message):
+def test_bad_requests_are_one_line(capsys, monkeypatch, argv, message):
+    def model_work(*args, **kwargs):
+        raise AssertionError("a model was loaded before the request was refused")
+
+    monkeypatch.setattr(profile_command, "_load", model_work)
     assert message in _error(capsys, argv)
+
+
+def test_help_imports_no_jax():
+    code = ("import sys, lingjax.cli\ntry: lingjax.cli.main(['profile', 'compare', '--help'])\n"
+            "except SystemExit: pass\nprint('jax imported' if 'jax' in sys.modules else 'no jax')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("no jax") and "--revs" in out and "--kernels" in out
 
 
 def test_bad_flag_values_are_one_line(capsys):
