@@ -8,8 +8,8 @@ recurrent-state norm per head, and each MLA layer's attention weights over the c
 the model's own forward, through Exec.tap (lingjax/execution.py), not from a copy of its math.
 
 `speculate(model, ids, "nextn" | "dspark", rounds)` runs the engine's speculative program (lingjax.spec.step)
-round by round, greedy, and returns each round's accepted drafts, bonus token and (DSpark) the drafter's
-survival probabilities, the product of its confidences.
+round by round, greedy, and returns each round's drafts, how many the target accepted, its bonus token and
+(DSpark) the drafter's survival probabilities, the product of its confidences.
 
     walk = inspection.walk(model, model.tokenizer.encode("def add(a, b):"))
     walk.expert_load()                   # [MoE layers, E] tokens routed to each expert
@@ -102,16 +102,45 @@ def walk(model, token_ids) -> Walk:
 
 @dataclasses.dataclass
 class Round:
-    """One speculative round: the target took `accepted` of the `drafted` drafts, then its own `bonus` token."""
+    """One speculative round: the target took the first len(accepted) of `drafts`, then its own `bonus` token."""
 
-    drafted: int  # drafts proposed (S)
+    drafts: list[int]  # the drafter's S proposals, in order
     accepted: list[int]  # the drafts the target accepted, in order (the accept length is len + 1)
     bonus: int  # the target's token after them (its correction, or the next token when all were accepted)
     survival: np.ndarray | None  # DSpark: [S] f32, the drafter's probability that drafts 1..k all survive
 
     @property
+    def drafted(self) -> int:
+        return len(self.drafts)
+
+    @property
+    def rejected(self) -> list[int]:
+        """The drafts after the accepted ones (the first of them is the one the target refused)."""
+        return self.drafts[len(self.accepted):]
+
+    @property
     def tokens(self) -> list[int]:
         return [*self.accepted, self.bonus]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReportingDrafts:
+    """A drafter that is `inner` in every way but one: its proposal's report (the f32 values a round hands the
+    host, lingjax.spec.step.output_row) carries its drafts after its own report, token ids being exact in f32.
+    Acceptance never reads the report, so the round's tokens are unchanged."""
+
+    inner: object
+
+    def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def propose(self, *args):
+        proposal, state = self.inner.propose(*args)
+        drafts = proposal.drafts.astype(jnp.float32)
+        report = drafts if proposal.report is None else jnp.concatenate([proposal.report.astype(jnp.float32), drafts])
+        return dataclasses.replace(proposal, report=report), state
 
 
 def speculate(model, token_ids, spec: str = "nextn", rounds: int = 8, steps: int | None = None):
@@ -130,14 +159,15 @@ def speculate(model, token_ids, spec: str = "nextn", rounds: int = 8, steps: int
     if spec == "nextn" and not model.has_mtp:
         raise ValueError("spec='nextn' needs a model with an MTP layer")
     prompt = np.asarray(token_ids, np.int32).reshape(-1)
-    drafter = engine.make_drafter(model, spec, steps)
+    drafter = _ReportingDrafts(engine.make_drafter(model, spec, steps))
+    s = drafter.steps
     program = spec_step.spec_program(model, drafter, SamplingParams())
-    first, state = engine.spec_prefill(model, program, drafter, prompt, (drafter.steps + 1) * (rounds + 1),
-                                       jax.random.key(0))
+    first, state = engine.spec_prefill(model, program, drafter, prompt, (s + 1) * (rounds + 1), jax.random.key(0))
     out = []
     for _ in range(rounds):
         state, rows = program.round(program.weights, state)
-        tokens, report = spec_step.read_output_row(np.asarray(jax.device_get(rows))[0], drafter.steps)
-        out.append(Round(drafted=drafter.steps, accepted=tokens[:-1], bonus=tokens[-1],
-                         survival=report.copy() if report.size else None))
+        tokens, report = spec_step.read_output_row(np.asarray(jax.device_get(rows))[0], s)
+        survival, drafts = report[:-s], report[-s:]
+        out.append(Round(drafts=drafts.astype(np.int64).tolist(), accepted=tokens[:-1], bonus=tokens[-1],
+                         survival=survival.copy() if survival.size else None))
     return int(jax.device_get(first)), out

@@ -48,7 +48,8 @@ def test_speculation_rounds_are_greedy(shipped, spec):
     greedy = engine.generate(shipped, np.array(ids), max_new_tokens=len(tokens), ignore_eos=True).tokens
     assert tokens == greedy
     for r in rounds:
-        assert 0 <= len(r.accepted) <= r.drafted
+        assert 0 <= len(r.accepted) <= r.drafted and r.drafts[: len(r.accepted)] == r.accepted
+        assert r.rejected == r.drafts[len(r.accepted):] and (not r.rejected or r.rejected[0] != r.bonus)
         if spec == "dspark":
             assert r.survival.shape == (r.drafted,) and (np.diff(r.survival) <= 1e-6).all()  # a product of c_i
         else:
