@@ -172,7 +172,7 @@ def run_profile(args) -> int:
     print(profile_report.describe(meta))
     print()
     print(profiling.format_census({model.kernels: census}))
-    if census.devices == 1 and meta["backend"].lower() == "cpu":
+    if meta["backend"].lower() == "cpu":
         print("\non a CPU the 'kernels' are XLA's thunks, run on several threads: their summed time can pass the "
               "step's")
     if args.out is not None:
@@ -193,6 +193,8 @@ def run_compare(args) -> int:
     if args.saved:
         if len(args.saved) != 2:
             raise cli.UsageError(f"compare takes two saved censuses, got {len(args.saved)}")
+        if args.out is not None:
+            raise cli.UsageError("--out saves what compare runs: two saved censuses are saved already")
         (a, meta_a), (b, meta_b) = (profile_report.read(p) for p in args.saved)
         labels = ("A", "B")
         print(f"A: {args.saved[0]}: {profile_report.describe(meta_a)}")

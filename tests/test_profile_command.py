@@ -30,6 +30,7 @@ def _error(capsys, argv) -> str:
     (["profile", "compare", "a", "b", "--kernels", "xla", "pallas"], "one of them"),
     (["profile", "compare", "--kernels", "xla", "xla"], "two different sides"),
     (["profile", "compare", "only_one"], "two saved censuses, got 1"),
+    (["profile", "compare", "a", "b", "--out", "c"], "saved already"),
     (["profile", "compare", "no/such/a", "no/such/b"], "no saved census"),
     (["profile", "--checkpoint", "no/such/dir"], "no such directory"),
 ])
@@ -179,3 +180,15 @@ def test_compare_two_revisions(tmp_path, capsys):
     assert not [line for line in revisions.subprocess.run(["git", "-C", str(revisions.ROOT), "worktree", "list"],
                                                           capture_output=True, text=True).stdout.splitlines()
                 if f"lingjax-{head}-" in line]  # the temporary worktree is gone
+
+
+def test_profile_a_tensor_parallel_round(tmp_path, capsys):
+    """A NEXTN round of the tiny preset over 2 (fake CPU) devices: the collectives land in all-reduce, and the time
+    they waited for the peer device is measured."""
+    argv = ["profile", "--model", "tiny", "--tp", "2", "--program", "nextn", "--steps", "2", "--n", "1",
+            "--prompt-len", "8", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert "| all-reduce | " in capsys.readouterr().out
+    census, meta = profile_report.read(tmp_path)
+    assert meta["tp"] == 2 and meta["program"] == "NEXTN round S=2" and census.devices == 2
+    assert census.by_category_us["all-reduce"] > 0 and census.peer_wait_us is not None
