@@ -15,7 +15,6 @@ command line (read from its --help), and said so.
 from __future__ import annotations
 
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -23,29 +22,22 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from lingjax import revisions
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextmanager
 def tree(rev_or_dir: str):
-    """The baseline's root: the directory given, or a temporary git worktree of the revision (removed after)."""
-    if Path(rev_or_dir).is_dir():
-        yield Path(rev_or_dir).resolve(), rev_or_dir
-        return
-    try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev_or_dir], check=True,
-                             capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise SystemExit(f"--baseline {rev_or_dir}: neither a directory nor a git revision here "
-                         f"({getattr(e, 'stderr', '') or e})".strip()) from None
-    work = Path(tempfile.mkdtemp(prefix=f"lingjax-baseline-{rev}-"))
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(work), rev], check=True,
-                   capture_output=True)
-    try:
-        yield work, rev
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work)], capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
+    """The baseline's root: the directory given, or a temporary git worktree of the revision (removed after):
+    lingjax.revisions.tree, a bad --baseline one line."""
+    if not Path(rev_or_dir).is_dir():
+        try:
+            revisions.short(rev_or_dir, ROOT)
+        except ValueError as e:
+            raise SystemExit(f"--baseline {rev_or_dir}: {e}") from None
+    with revisions.tree(rev_or_dir, ROOT) as found:
+        yield found
 
 
 def known_options(root: Path, script: str) -> set[str]:

@@ -40,10 +40,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import gzip
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,11 +66,10 @@ from common import (
     tuning_label,
     xla_label,
 )
-from lingjax import engine, profiling
+from lingjax import engine, profiling, steady
 from lingjax.config import MOE
 from lingjax.execution import CompileOptions
 from lingjax.sampling import SamplingParams
-from lingjax.spec import step as spec_step
 
 
 def step_bytes(model, distinct_per_layer, width: int, draft_forwards: int, ctx: int) -> float:
@@ -165,44 +162,19 @@ def time_program(what: str, per_call: int, n: int, prepare, call, lower):
 
 def time_decode(model, args, prompt, steps: int):
     """The T=1 decode program at `steps` per call -> time_program's result."""
-    sampling, key = SamplingParams(), jax.random.key(0)
-    _, decode = model.step_programs(sampling, steps)
-
-    def prepare(n):  # (token, cache, pos) after the prompt, room for n calls
-        token, cache = engine.plain_prefill(model, prompt, 6 * n * steps, sampling, key, steps)
-        return token, cache, jnp.int32(prompt.size)
-
-    def call(state):
-        token, cache, pos = state
-        _, token, pos, cache = decode(model.weights, cache, token, pos, key)
-        return (token, cache, pos), token
-
-    def lower(state):
-        token, cache, pos = state
-        return decode.lower(model.weights, cache, token, pos, key).compile().as_text()
-
+    program = steady.steady_program(model, "decode", prompt, per_call=steps)
     name = "decode T=1" + (f", {steps} per call" if steps > 1 else "")
-    return name, time_program(f"tp={model.tp} {variant_name(model)}: {name}", steps, args.n, prepare, call, lower)
+    return name, time_program(f"tp={model.tp} {variant_name(model)}: {name}", steps, args.n, program.prepare,
+                              program.call, program.lower)
 
 
 def time_round(model, args, prompt, rounds: int, spec: str = "nextn"):
     """The speculative round program at `rounds` per call -> time_program's result."""
-    key = jax.random.key(0)
-    drafter = engine.make_drafter(model, spec, args.steps if spec == "nextn" else None)
-    program = spec_step.spec_program(model, drafter, SamplingParams(), rounds)
-
-    def prepare(n):  # the speculative state after the prompt
-        return engine.spec_prefill(model, program, drafter, prompt, 6 * n * rounds, key)[1]
-
-    def call(state):
-        return program.round(program.weights, state)
-
-    def lower(state):
-        return program.round.lower(program.weights, state).compile().as_text()
-
-    name = (f"spec round S={args.steps}" if spec == "nextn" else f"DSpark round S={drafter.steps}") + (
+    program = steady.steady_program(model, spec, prompt, args.steps if spec == "nextn" else None, per_call=rounds)
+    name = (f"spec round S={program.drafts}" if spec == "nextn" else f"DSpark round S={program.drafts}") + (
         f", {rounds} per call" if rounds > 1 else "")
-    return name, time_program(f"tp={model.tp} {variant_name(model)}: {name}", rounds, args.n, prepare, call, lower)
+    return name, time_program(f"tp={model.tp} {variant_name(model)}: {name}", rounds, args.n, program.prepare,
+                              program.call, program.lower)
 
 
 def bench_model(model, args, prompt, say, measured):
@@ -233,16 +205,11 @@ def profile_rounds(model, args, launches, round_hlo, rounds, t_call, say, spec: 
     if rounds > 1 and model.tp == 1:
         say(f"warning: tracing {rounds} rounds per call on one GPU: the loop is one CUDA graph and the profiler "
             "misses most kernels inside it (census 'idle' then means unseen); list --rounds-per-call 1 first")
-    launch = launches(args.profile_steps)
-    with tempfile.TemporaryDirectory() as raw:
-        with profiling.capture(raw) as trace:
-            jax.block_until_ready(launch()[1])
-        kernels = profiling.load_kernels(trace.path)
-        shutil.copy(trace.path, Path(args.profile) / f"{tag}.trace.json.gz")
     with gzip.open(Path(args.profile) / f"{tag}.round_hlo.txt.gz", "wt") as f:
         f.write(round_hlo)
     try:
-        return profiling.census(kernels, profiling.op_scopes(round_hlo), args.profile_steps * rounds, t_call / rounds)
+        return profiling.trace_census(launches(args.profile_steps), round_hlo, args.profile_steps * rounds,
+                                      t_call / rounds, keep=Path(args.profile) / f"{tag}.trace.json.gz")
     except ValueError as e:  # the raw trace and HLO are saved: the census can be redone offline
         say(f"census of {tag} failed: {e}")
         return None

@@ -456,6 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="config summary and parameter count (abstract: no memory used)", **_HELP)
     _add_model_args(i)
     i.set_defaults(run=cmd_info)
+
+    from lingjax import profile_command  # imports no jax
+
+    profile_command.add_parser(sub)
     return parser
 
 

@@ -48,7 +48,8 @@ class Exec:
     xla_ops: frozenset[str] = frozenset()  # ops that run their XLA reference whatever `kernels` says
     tuning: Tuning = Tuning()  # op -> its Pallas kernel's tuning; the others take their kernel's defaults
     # trace-time observer: tap(event, value) is called while tracing, e.g. ("moe_route", experts [T, k]) at each
-    # MoE layer that routes outside its expert kernels; for measurements (bench/), never changes a result
+    # MoE layer that routes outside its expert kernels, ("mla_attention", weights [T, H, L]) at each MLA layer; for
+    # measurements (bench/) and lingjax.inspection, never changes a result
     tap: Callable[[str, jax.Array], None] | None = None
 
     def __post_init__(self):

@@ -238,8 +238,11 @@ class MLAAttention(nnx.Module):
             latent = jax.lax.dynamic_update_slice_in_dim(cache.latent, entry, positions[0], axis=0)
         with jax.named_scope("mla_attention"):
             core = paths.op("mla_absorbed") if paths.mla_absorbed else mla_ops.mla_expanded
-            o = core(q_nope, q_pe, latent, dense(self.kv_b_proj[...], x.dtype), positions, cfg.qk_head_dim**-0.5,
-                     tokens=paths.tokens)
+            w_kvb, scale = dense(self.kv_b_proj[...], x.dtype), cfg.qk_head_dim**-0.5
+            o = core(q_nope, q_pe, latent, w_kvb, positions, scale, tokens=paths.tokens)
+            if paths.ex.tap is not None:  # the real rows' weights over the cache [T, H, L], for lingjax.inspection
+                p = mla_ops.attention_weights(q_nope, q_pe, latent, w_kvb, positions, scale)
+                paths.ex.observe("mla_attention", p[: paths.tokens])
         with jax.named_scope("mla_out"):
             gate = jax.nn.sigmoid(narrow_linear(x, self.g_proj[...], paths).astype(F32))  # [T, H]
             o = (o * gate[..., None]).astype(x.dtype).reshape(t, h * cfg.v_head_dim)

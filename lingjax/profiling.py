@@ -26,6 +26,7 @@ import dataclasses
 import gzip
 import json
 import re
+import shutil
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -34,7 +35,7 @@ import jax
 
 CATEGORIES = ("MoE experts", "router/glue", "all-reduce", "dense GEMM", "KDA", "MLA attention")
 _COLLECTIVE = re.compile(r"all-reduce|allreduce|psum|all-gather|allgather|reduce-scatter|reducescatter|nccl", re.I)
-_GEMM = re.compile(r"gemm|gemv|cutlass|xmma|cublas|nvjet|matmul|dot", re.I)
+_GEMM = re.compile(r"gemm|gemv|cutlass|xmma|cublas|nvjet|matmul|dot|ynn_fusion|xnn_fusion", re.I)  # XLA:CPU: [xy]nn
 _DENSE_SCOPES = {"kda_proj", "kda_gate", "kda_out", "mla_proj", "mla_out", "dense_mlp", "lm_head", "eh_proj"}
 _PALLAS = ((re.compile(r"kda_"), "KDA"), (re.compile(r"mla_"), "MLA attention"),
            (re.compile(r"moe_(up|down)"), "MoE experts"), (re.compile(r"moe_(router|align)"), "router/glue"))
@@ -48,6 +49,7 @@ class Kernel:
     dur_us: float
     name: str
     hlo_op: str
+    module: str = ""  # the HLO module that ran it, where the trace says (the CPU's thunks do)
 
 
 @dataclasses.dataclass
@@ -112,10 +114,39 @@ def scope_of(kernel: Kernel, scopes: dict[str, str]) -> str:
 def load_kernels(trace_path: str | Path) -> list[Kernel]:
     """GPU kernel (and memcpy) events of every device in a jax.profiler trace. Device processes are
     named '/device:GPU:N'; only their stream threads hold raw kernels (the 'XLA Ops'/'XLA Modules'
-    lines are derived copies)."""
+    lines are derived copies). A trace without a GPU (XLA:CPU) has the CPU's thunks instead: the host
+    events that name an `hlo_op`, each on one of XLA's threads (docs/profile.md)."""
     with gzip.open(trace_path, "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
+    gpu = _gpu_kernels(events)
+    return gpu if gpu else _cpu_thunks(events)
+
+
+def _cpu_thunks(events) -> list[Kernel]:
+    """XLA:CPU's thunks: host events with an `hlo_op`, on device `device_ordinal`. A thunk that holds others on
+    its thread (a loop, a call: its body's thunks run inside its interval) is left out, so time is counted
+    once, in its leaves. Thunks of one step run on several threads at once, so their summed time can exceed the
+    step's span."""
+    by_thread = defaultdict(list)
+    for e in events:
+        args = e.get("args", {}) if e.get("ph") == "X" else {}
+        if "hlo_op" in args:
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    kernels = []
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        for e, after in zip(thread, thread[1:] + [None]):
+            end = float(e["ts"]) + float(e.get("dur", 0.0))
+            if after is not None and float(after["ts"]) < end:
+                continue  # a parent: the next thunk on its thread starts inside it
+            args = e["args"]
+            kernels.append(Kernel(int(args.get("device_ordinal", 0)), float(e["ts"]), float(e.get("dur", 0.0)),
+                                  e.get("name", ""), str(args["hlo_op"]), str(args.get("hlo_module", ""))))
+    return sorted(kernels, key=lambda k: k.start_us)
+
+
+def _gpu_kernels(events) -> list[Kernel]:
     devices, streams = {}, {}
     for e in events:
         if e.get("ph") != "M":
@@ -133,8 +164,14 @@ def load_kernels(trace_path: str | Path) -> list[Kernel]:
             continue
         args = e.get("args", {})
         kernels.append(Kernel(devices[e["pid"]], float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", ""),
-                              str(args.get("hlo_op", ""))))
+                              str(args.get("hlo_op", "")), str(args.get("hlo_module", ""))))
     return kernels
+
+
+def module_name(hlo_text: str) -> str:
+    """The HLO module's name (`HloModule jit__decode_impl, ...` -> 'jit__decode_impl'), '' if none."""
+    m = re.search(r"^HloModule\s+([\w.\-]+)", hlo_text, re.M)
+    return m.group(1) if m else ""
 
 
 def traced_kernels(fn, *args, device: int = 0) -> list[Kernel]:
@@ -160,7 +197,7 @@ def category(kernel: Kernel, scope: str) -> str:
         return "MLA attention"
     if parts & {"moe_experts", "moe_shared"}:
         return "MoE experts"
-    if parts & _DENSE_SCOPES and _GEMM.search(text):
+    if parts & _DENSE_SCOPES and (_GEMM.search(text) or "->" in scope.rsplit("/", 1)[-1]):  # an einsum's op
         return "dense GEMM"
     return "router/glue"
 
@@ -211,12 +248,14 @@ def collective_gap_us(kernels: list[Kernel], device: int = 0) -> float:
 
 
 def census(kernels: list[Kernel], scopes: dict[str, str], steps: int, real_step_s: float | None = None,
-           device: int = 0) -> Census:
-    """Per-step GPU time by category on `device` over a trace of `steps` back-to-back steps."""
-    mine = [k for k in kernels if k.device == device]
+           device: int = 0, module: str = "") -> Census:
+    """Per-step GPU time by category on `device` over a trace of `steps` back-to-back steps. With `module`
+    (module_name of the program's HLO), kernels that name another HLO module (the trace says on the CPU)
+    are left out: host-side copies and conversions around the steps are not the step."""
+    mine = [k for k in kernels if k.device == device and (not module or k.module in ("", module))]
     if not mine:
-        raise ValueError(f"the trace holds no kernels of GPU {device} (devices seen: "
-                         f"{sorted({k.device for k in kernels})})")
+        raise ValueError(f"the trace holds no kernels of GPU {device}{f' in {module}' if module else ''} "
+                         f"(devices seen: {sorted({k.device for k in kernels})})")
     by = defaultdict(float)
     for k in mine:
         by[category(k, scope_of(k, scopes))] += k.dur_us
@@ -262,3 +301,20 @@ def format_census(censuses: dict[str, Census]) -> str:
     rows.append("| kernels per step (traced) | " + " | ".join(
         f"{c.kernels_per_step:.0f}" for c in censuses.values()) + " |")
     return "\n".join(rows)
+
+
+def trace_census(launch, hlo_text: str, steps: int, real_step_s: float | None = None,
+                 log_dir: str | Path | None = None, keep: str | Path | None = None) -> Census:
+    """Trace launch() (which dispatches `steps` steps of the program whose optimised HLO is `hlo_text` and
+    returns (start time, its last output)), then take the census of device 0. log_dir: where jax.profiler
+    writes its log (XProf's --logdir; a temporary one if None). keep: a file path the raw trace is copied to
+    before the census, so a failed census can be redone offline."""
+    with contextlib.ExitStack() as stack:
+        if log_dir is None:
+            log_dir = stack.enter_context(tempfile.TemporaryDirectory())
+        with capture(log_dir) as trace:
+            jax.block_until_ready(launch()[1])
+        kernels = load_kernels(trace.path)
+        if keep is not None:
+            shutil.copy(trace.path, keep)
+    return census(kernels, op_scopes(hlo_text), steps, real_step_s, module=module_name(hlo_text))

@@ -56,12 +56,24 @@ def absorb_query(q_nope, w_kvb):
     return jnp.einsum("thn,hnr->thr", q_nope.astype(F32), w_uk), w_uv
 
 
-def mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, scale, tokens=None):
-    """Same arguments and result as mla_expanded; never materialises per-head keys."""
+def _absorbed_weights(q_nope, q_pe, cache, w_kvb, positions, scale):
+    """-> (attention weights p [T, H, L] f32, W_uv [H, v, R] f32) in the absorbed form."""
     latent, k_pe = _split(cache, w_kvb)
     q_lat, w_uv = absorb_query(q_nope, w_kvb)  # [T, H, R], [H, v, R]
     scores = jnp.einsum("thr,lr->thl", q_lat, latent.astype(F32))
     scores += jnp.einsum("thr,lr->thl", q_pe.astype(F32), k_pe.astype(F32))
-    p = _masked_softmax(scores * scale, positions)
+    return _masked_softmax(scores * scale, positions), w_uv
+
+
+def attention_weights(q_nope, q_pe, cache, w_kvb, positions, scale):
+    """mla_absorbed's arguments -> each query row's attention over the cache slots, [T, H, L] f32 (zero past
+    its position): what lingjax.inspection shows."""
+    return _absorbed_weights(q_nope, q_pe, cache, w_kvb, positions, scale)[0]
+
+
+def mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, scale, tokens=None):
+    """Same arguments and result as mla_expanded; never materialises per-head keys."""
+    latent, _ = _split(cache, w_kvb)
+    p, w_uv = _absorbed_weights(q_nope, q_pe, cache, w_kvb, positions, scale)
     ctx = jnp.einsum("thl,lr->thr", p, latent.astype(F32))  # [T, H, R]
     return _zero_past(jnp.einsum("thr,hvr->thv", ctx, w_uv), tokens)

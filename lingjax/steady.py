@@ -1,0 +1,109 @@
+"""Steady-state steps of one program, dispatched back to back: what `lingjax profile` times and traces.
+
+A program here is the plain decode step (T=1), a NEXTN round (the MTP chain's S drafts, verify S+1) or a
+DSpark round (the drafter's block, verify block+1), each run after a prompt's prefill exactly as the engine
+runs it (lingjax.engine, lingjax.spec.step). `Steady` holds the three things a measurement needs: a fresh
+state, one call, and the call's optimised HLO (for the census's named scopes, lingjax.profiling).
+
+    steady = steady_program(model, "decode", prompt)
+    launch = steady.launcher(20)          # a fresh state with room for 20 calls
+    start, last = launch()                # 20 calls dispatched; block on `last` to finish
+    step_s = timed(steady, 20)            # the median seconds per step, unprofiled
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PROGRAMS = ("decode", "nextn", "dspark")
+
+
+@dataclasses.dataclass
+class Steady:
+    name: str  # e.g. "decode T=1", "NEXTN round S=3"
+    prepare: Callable  # prepare(n) -> a fresh state after the prompt, with room for n calls
+    call: Callable  # call(state) -> (state, output)
+    lower: Callable  # lower(state) -> the call's optimised HLO text
+    drafts: int | None = None  # a round's drafts (S); None for decode
+
+    def launcher(self, n: int):
+        """-> launch(): n calls from a fresh state -> (start time, the last output)."""
+        state = self.prepare(n)
+        jax.block_until_ready(state)
+
+        def launch():
+            nonlocal state
+            t = time.perf_counter()
+            out = None
+            for _ in range(n):
+                state, out = self.call(state)
+            return t, out
+
+        return launch
+
+    def hlo(self) -> str:
+        return self.lower(self.prepare(1))
+
+
+def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = None, per_call: int = 1) -> Steady:
+    """The steady state of `program` (PROGRAMS) on `model` after `prompt` (int32 [P]), greedy. steps: drafts per
+    round (nextn: default 5 as lingjax.requests; dspark: the drafter's block size). per_call: steps (decode) or
+    rounds run in one device call (a lax.scan: rounds_per_call); a call then outputs per_call steps' results. The
+    cache has room for 6 tokens a step of n calls (what bench/step_bench has always timed: an MLA step reads its
+    whole cache, so the room is part of the figure)."""
+    from lingjax import engine
+    from lingjax.sampling import SamplingParams
+    from lingjax.spec import step as spec_step
+
+    sampling, key = SamplingParams(), jax.random.key(0)
+    if program == "decode":
+        _, decode = model.step_programs(sampling, per_call)
+
+        def prepare(n):
+            token, cache = engine.plain_prefill(model, prompt, 6 * n * per_call, sampling, key, per_call)
+            return token, cache, jnp.int32(prompt.size)
+
+        def call(state):
+            token, cache, pos = state
+            _, token, pos, cache = decode(model.weights, cache, token, pos, key)
+            return (token, cache, pos), token
+
+        def lower(state):
+            return decode.lower(model.weights, state[1], state[0], state[2], key).compile().as_text()
+
+        return Steady("decode T=1" + (f", {per_call} per call" if per_call > 1 else ""), prepare, call, lower)
+    if program not in PROGRAMS:
+        raise ValueError(f"unknown program {program!r} (one of {', '.join(PROGRAMS)})")
+    drafter = engine.make_drafter(model, program, steps)
+    spec = spec_step.spec_program(model, drafter, sampling, per_call)
+
+    def prepare(n):
+        return engine.spec_prefill(model, spec, drafter, prompt, 6 * n * per_call, key)[1]
+
+    def call(state):
+        return spec.round(spec.weights, state)
+
+    def lower(state):
+        return spec.round.lower(spec.weights, state).compile().as_text()
+
+    label = "NEXTN" if program == "nextn" else "DSpark"
+    return Steady(f"{label} round S={drafter.steps}" + (f", {per_call} per call" if per_call > 1 else ""), prepare,
+                  call, lower, drafter.steps)
+
+
+def timed(steady: Steady, n: int, batches: int = 3) -> float:
+    """Seconds per step of n calls dispatched back to back with one block at the end: the median of `batches`
+    such runs, each from a fresh state (the real, unprofiled step)."""
+    times = []
+    for _ in range(batches):
+        t, out = steady.launcher(n)()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / n)
+    return statistics.median(times)
