@@ -4,6 +4,7 @@ sampled drafts over a subset keeping the target's distribution, the argmax under
 sampled rounds."""
 
 import functools
+import re
 import types
 
 import jax
@@ -213,3 +214,43 @@ def test_draft_argmax_under_tp_equals_one_device():
     ids = dv.top_ids(counts, 64)
     want = ids[np.argmax(np.asarray(hidden) @ head[ids].T, -1)]
     assert got.tolist() == want.tolist()
+
+
+# ---- the CLI flag -----------------------------------------------------------------------------------
+def _cli(argv, capsys):
+    from lingjax import cli
+
+    try:
+        code = cli.main(argv)
+    except SystemExit as done:
+        code = done.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("ten", "token count"), ("0%", r"\(0, 100\]"), ("9000", "exceeds the vocabulary"),
+    ("25%:/no/such.npy", "no such file"), (None, "no effect without --spec"),
+])
+def test_bad_draft_vocab_flag_is_one_line_before_model_work(flag, message, capsys, monkeypatch):
+    from lingjax import checkpoint, loading
+
+    def model_work(*args, **kwargs):
+        raise AssertionError("model work started before the request was refused")
+
+    for module, name in ((loading, "random_model"), (checkpoint, "load_safetensors")):
+        monkeypatch.setattr(module, name, model_work)
+    spec = [] if flag is None else ["--spec", "nextn"]
+    code, _, err = _cli(["generate", "--prompt-ids", "1 2 3", "--draft-vocab", flag or "25%"] + spec, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("lingjax: error: --draft-vocab")
+    assert re.search(message, lines[0])
+
+
+@pytest.mark.slow
+def test_draft_vocab_flag_keeps_the_output(capsys):
+    argv = ["generate", "--prompt-ids", " ".join(map(str, _prompt())), "--max-new-tokens", "24", "--ignore-eos",
+            "--ids", "--spec", "nextn", "--steps", "3", "--dtype", "float32"]
+    code, plain, _ = _cli(argv, capsys)
+    code2, small, err = _cli(argv + ["--draft-vocab", "10%"], capsys)
+    assert code == code2 == 0 and small == plain and "accept length" in err
