@@ -83,10 +83,10 @@ def draft_vocab_ids(draft_vocab, table, cfg: LingConfig, directory: Path | None,
     """load's draft_vocab and draft_vocab_table -> the subset's token ids (int32, ascending) or None (the whole
     vocabulary), checked without a weight. The table: a .npy path or an array of cfg.vocab_size counts; None takes
     the checkpoint directory's own token_frequencies.npy (the shipped model has one: docs/speculation.md)."""
+    if draft_vocab is None and table is not None:
+        raise ValueError("draft_vocab_table given without a draft_vocab")
     n = draft_vocab_lib.resolve_size(draft_vocab, cfg.vocab_size, tp)
     if n is None:
-        if table is not None:
-            raise ValueError("draft_vocab_table given without a draft_vocab smaller than the vocabulary")
         return None
     if table is None:
         own = None if directory is None else directory / draft_vocab_lib.TABLE_NAME

@@ -82,7 +82,7 @@ def test_the_shipped_table_covers_the_shipped_vocabulary():
     (dict(draft_vocab="25%"), "needs a token frequency table"),
     (dict(draft_vocab="25"), None),  # a preset with a table given as an array: fine (checked below, not loaded)
     (dict(draft_vocab="ten"), "token count"),
-    (dict(draft_vocab="full", draft_vocab_table=np.ones(4)), "without a draft_vocab"),
+    (dict(draft_vocab_table=np.ones(4)), "without a draft_vocab"),
     (dict(draft_vocab=10, draft_vocab_table=np.ones(4)), "counts"),
 ])
 def test_load_checks_before_any_weight(kwargs, message, monkeypatch):
