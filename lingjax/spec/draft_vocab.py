@@ -156,18 +156,19 @@ def _logits(module, vocab: DraftVocab, hidden, ex):
     return logits.reshape(hidden.shape[:-1] + logits.shape[-1:])
 
 
-def draft_argmax(module, vocab: DraftVocab | None, hidden, ex) -> jax.Array:
-    """A draft token: the argmax of the draft logits of hidden [..., D] over the subset (the whole vocabulary with
-    vocab None) -> int32 [...]."""
-    if vocab is None:
+def draft_argmax(module, vocab, hidden, ex) -> jax.Array:
+    """A draft token: the argmax of the draft logits of hidden [..., D] over the subset (the whole vocabulary when
+    vocab is not a DraftVocab: None or a drafter's empty params) -> int32 [...]."""
+    if not isinstance(vocab, DraftVocab):
         return ex.argmax_vocab(module.lm_logits(hidden, pad_small=False, ex=ex))
     return vocab.ids[ex.argmax_vocab(_logits(module, vocab, hidden, ex))]
 
 
-def full_draft_logits(module, vocab: DraftVocab | None, hidden, ex) -> jax.Array:
+def full_draft_logits(module, vocab, hidden, ex) -> jax.Array:
     """The draft logits of hidden [..., D] as a full-vocabulary row, gathered across shards: f32 [..., V], -inf
-    outside the subset (its tokens are never drafted, and a sampled draft gives them probability 0)."""
-    if vocab is None:
+    outside the subset (its tokens are never drafted, and a sampled draft gives them probability 0); vocab not a
+    DraftVocab: the whole vocabulary's."""
+    if not isinstance(vocab, DraftVocab):
         return ex.gather_vocab(module.lm_logits(hidden, pad_small=False, ex=ex))
     sub = ex.gather_vocab(_logits(module, vocab, hidden, ex))  # [..., Vd]
     full = jnp.full(hidden.shape[:-1] + (module.cfg.vocab_size,), -jnp.inf, jnp.float32)

@@ -82,7 +82,8 @@ class NextnDrafter(_NoParams):
     steps: int
 
     def params_of(self, model):
-        return getattr(model, "draft_vocab", None)
+        vocab = getattr(model, "draft_vocab", None)
+        return () if vocab is None else vocab
 
     def init(self, module, capacity: int) -> NextnState:
         cfg = module.cfg
