@@ -254,3 +254,18 @@ def test_draft_vocab_flag_keeps_the_output(capsys):
     code, plain, _ = _cli(argv, capsys)
     code2, small, err = _cli(argv + ["--draft-vocab", "10%"], capsys)
     assert code == code2 == 0 and small == plain and "accept length" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["nextn", "dspark"])
+def test_speculation_over_a_subset_at_tp2_equals_tp1(spec):
+    """End to end at TP2 (the subset's rows split over two devices; DSpark with a random drafter): the same
+    tokens as plain greedy at TP1, and the same rounds as the same subset at TP1."""
+    counts = np.random.default_rng(1).random(preset("tiny").vocab_size)
+    kw = dict(draft="random", draft_vocab="25%", draft_vocab_table=counts, dtype="float32", seed=5)
+    one, two = lingjax.load("tiny", **kw), lingjax.load("tiny", tp=2, **kw)
+    prompt = np.random.default_rng(3).integers(0, 500, 11).tolist()
+    plain = lingjax.generate(one, prompt, 16, ignore_eos=True).tokens
+    a = lingjax.generate(one, prompt, 16, ignore_eos=True, spec=spec, steps=3)
+    b = lingjax.generate(two, prompt, 16, ignore_eos=True, spec=spec, steps=3)
+    assert a.tokens == b.tokens == plain and a.accept_lens == b.accept_lens
