@@ -146,10 +146,11 @@ def load(path_or_preset: str | Path | None = None, dtype: str = "bfloat16", kern
     cfg, directory = resolve(source)
     mesh = sharding.mesh_for(cfg, tp)  # every parameter goes straight into its shards
     fp8 = weights_layout(cfg, directory, weights, tp)
-    check_fits(cfg, jdtype, tp, source, fp8=fp8)
+    vocab_ids = draft_vocab_ids(draft_vocab, draft_vocab_table, cfg, directory, tp)
+    copy_bytes = 0 if vocab_ids is None else vocab_ids.size * cfg.hidden_size * np.dtype(jdtype).itemsize
+    check_fits(cfg, jdtype, tp, source, fp8=fp8, extra_bytes=copy_bytes)
     if tokenizer is _OWN:
         tokenizer = source_tokenizer(cfg, directory, source)  # read before the weights: a bad file fails fast
-    vocab_ids = draft_vocab_ids(draft_vocab, draft_vocab_table, cfg, directory, tp)
     drafter = load_draft(draft, cfg, dtype, shipped)  # small: read before the target, so a bad one fails fast
     if directory is None:
         return with_draft_vocab(Model(random_model(cfg, jdtype, seed, mesh, fp8=fp8), options, mesh=mesh,
