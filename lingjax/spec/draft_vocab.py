@@ -77,16 +77,23 @@ def check_size(spec) -> int | float | None:
     return pct / 100
 
 
+# a percentage's rows round up to a multiple of this (per device): the draft GEMV's N tiles are powers of 2
+# (lingjax/pallas/linear.py), so a size with a small power-of-2 factor would get small tiles
+PERCENT_ALIGN = 256
+
+
 def resolve_size(spec, vocab_size: int, tp: int = 1) -> int | None:
-    """The subset's size for a model of vocab_size tokens split over tp devices: N or ceil(P·V), rounded up to a
-    multiple of tp (each device holds whole rows); None when that is the whole vocabulary (no copy is made)."""
+    """The subset's size for a model of vocab_size tokens split over tp devices: N rounded up to a multiple of tp
+    (each device holds whole rows), or ceil(P·V) rounded up to a multiple of PERCENT_ALIGN·tp; None when that is
+    the whole vocabulary (no copy is made)."""
     size = check_size(spec)
     if size is None:
         return None
     if isinstance(size, int) and size > vocab_size:
         raise ValueError(f"draft_vocab {size} exceeds the vocabulary of {vocab_size} tokens")
     n = size if isinstance(size, int) else max(1, math.ceil(size * vocab_size - 1e-9))
-    n = -(-n // tp) * tp
+    align = tp if isinstance(size, int) else PERCENT_ALIGN * tp
+    n = -(-n // align) * align
     return None if n >= vocab_size else n
 
 
