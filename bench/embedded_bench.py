@@ -11,6 +11,7 @@ HELD_OUT_PACKAGES, which the model never saw) with a `def` line past its first 4
     python bench/embedded_bench.py prompts --out /tmp/p.json
     /path/to/torch/python bench/embedded_bench.py hf --prompts /tmp/p.json --out /tmp/hf.json
     python bench/embedded_bench.py lingjax --prompts /tmp/p.json --hf /tmp/hf.json --out bench/results/shipped/x.md
+    python bench/embedded_bench.py lingjax --steps 3 --dspark-steps 15 --draft-vocab full,50%,25%,12.5%  # #52
 
 TPOT is (time of the last new token - time of the first) / (new tokens - 1) on the host, per prompt, for both
 engines (EOS does not stop either: every prompt runs --new-tokens tokens); the table gives medians over the
@@ -112,11 +113,15 @@ def run_hf(prompts: dict, checkpoint: Path, new_tokens: int, device: str, dtype:
 
 # ---- lingjax --------------------------------------------------------------------------------------------
 def run_lingjax(prompts: dict, checkpoint: Path, new_tokens: int, dtype: str, steps: list[int],
-                draft: str | None = None, dspark_steps: list[int] = (), markov_topk: list[int] = ()) -> dict:
+                draft: str | None = None, dspark_steps: list[int] = (), markov_topk: list[int] = (),
+                draft_vocabs: list[str] = ("full",)) -> dict:
     """Plain greedy, NEXTN at each of `steps`, then DSpark (the drafter `draft`, or the checkpoint's own with the
     shipped model) verifying each of `dspark_steps` drafts of its block, in one process; with `markov_topk`, DSpark
-    once more for each k, the drafter drafting from each row's k best base logits."""
+    once more for each k, the drafter drafting from each row's k best base logits. Each speculative run once per
+    draft vocabulary size of `draft_vocabs` ("full", N or "P%", over the checkpoint's token_frequencies.npy:
+    lingjax.spec.draft_vocab), the same weights."""
     import lingjax
+    from lingjax import loading
 
     model = lingjax.load(checkpoint, dtype=dtype, draft=draft or "auto") if draft or checkpoint != DEFAULT_CHECKPOINT \
         else lingjax.load(dtype=dtype)
@@ -127,9 +132,14 @@ def run_lingjax(prompts: dict, checkpoint: Path, new_tokens: int, dtype: str, st
         raise SystemExit("--dspark-steps needs a drafter: --draft DIR (the shipped model has its own)")
     configs += [(f"dspark:{s}", {"spec": "dspark", "steps": s}) for s in dspark_steps]
     configs += [(f"dspark:{s}:{k}", {"spec": "dspark", "steps": s}) for k in markov_topk for s in dspark_steps]
-    for label, kw in configs:
-        topk = label.split(":")[2:]
-        run_model = model.with_draft(model.draft.with_markov_topk(int(topk[0]))) if topk else model
+    vocab_models = {v: loading.with_draft_vocab(model, loading.draft_vocab_ids(v, None, model.cfg, checkpoint))
+                    for v in draft_vocabs}  # every size checked before any run
+    configs = [("plain", {}, "full")] + [(label + ("" if v == "full" else f"@{v}"), kw, v)
+                                         for label, kw in configs[1:] for v in draft_vocabs]
+    for label, kw, vocab in configs:
+        topk = label.split("@")[0].split(":")[2:]
+        base = vocab_models.get(vocab, model)
+        run_model = base.with_draft(base.draft.with_markov_topk(int(topk[0]))) if topk else base
         lingjax.generate(run_model, prompts["ids"][0], new_tokens, ignore_eos=True, **kw)  # warm-up (compiles)
         runs = [lingjax.generate(run_model, ids, new_tokens, ignore_eos=True, **kw) for ids in prompts["ids"]]
         out["runs"][label] = {
@@ -140,11 +150,13 @@ def run_lingjax(prompts: dict, checkpoint: Path, new_tokens: int, dtype: str, st
 
 
 def _name(label: str) -> str:
+    label, _, vocab = label.partition("@")
     kind, *rest = label.split(":")
     if kind == "plain":
         return "plain greedy"
     topk = f", Markov head over the top {rest[1]}" if len(rest) > 1 else ""
-    return f"{'NEXTN' if kind == 'nextn' else 'DSpark'} S={rest[0]}{topk}"
+    vocab = f", draft vocabulary {vocab}" if vocab else ""
+    return f"{'NEXTN' if kind == 'nextn' else 'DSpark'} S={rest[0]}{topk}{vocab}"
 
 
 # ---- report -----------------------------------------------------------------------------------------------
@@ -232,6 +244,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dspark-steps", default="", help="DSpark drafts verified per round, one run each (e.g. 4,8)")
     ap.add_argument("--markov-topk", default="", help="DSpark again with the Markov head over each row's k best "
                     "base logits, one run per k and --dspark-steps (e.g. 16,64)")
+    ap.add_argument("--draft-vocab", default="full", help="speculative runs once per draft vocabulary size, over "
+                    "the checkpoint's token_frequencies.npy (e.g. full,50%%,25%%,12.5%%)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda", help="torch device for `hf` / `all`")
     ap.add_argument("--out", help="`prompts`/`hf`: the JSON written; `lingjax`/`all`: the markdown report")
@@ -253,7 +267,8 @@ def main(argv=None) -> None:
     steps = [int(s) for s in args.steps.split(",") if s]
     lj = run_lingjax(prompts, args.checkpoint, args.new_tokens, args.dtype, steps, args.draft,
                      [int(s) for s in args.dspark_steps.split(",") if s],
-                     [int(k) for k in args.markov_topk.split(",") if k])
+                     [int(k) for k in args.markov_topk.split(",") if k],
+                     [v for v in args.draft_vocab.split(",") if v])
     say = open_report(args.out, prompts, command)
     say(cache_note)
     say()

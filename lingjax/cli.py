@@ -76,6 +76,9 @@ def _add_run_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--draft", default=None, metavar="DIR|random|none",
                    help="the DSpark drafter for --spec dspark: a draft checkpoint directory, 'random' (random "
                         "weights, for timing), or 'none' (default: the shipped model's own with the shipped model)")
+    p.add_argument("--draft-vocab", default=None, metavar="N|P%[:FILE]",
+                   help="--spec: draft over the N (or P%%) most frequent tokens of a frequency table FILE (.npy of "
+                        "vocab-size counts; default: the checkpoint's token_frequencies.npy); output unchanged")
     p.add_argument("--rounds-per-call", type=int, default=1,
                    help="speculative rounds (or decode steps) per device call: the host's cost per call is "
                         "shared; tokens arrive in bursts, the same tokens either way")
@@ -204,6 +207,17 @@ def _check_request(cfg, prompt_len: int, args, name: str) -> None:
     if args.draft is not None and args.spec != "dspark":
         raise UsageError("--draft has no effect without --spec dspark")
     args.draft_source, block = _draft(args, cfg, name) if args.spec == "dspark" else (None, None)
+    if args.draft_vocab is not None:
+        from lingjax.loading import draft_vocab_ids
+
+        if args.spec is None:
+            raise UsageError("--draft-vocab has no effect without --spec")
+        kw = _draft_vocab_kwargs(args.draft_vocab)
+        try:
+            draft_vocab_ids(kw["draft_vocab"], kw["draft_vocab_table"], cfg,
+                            None if args.model is not None else Path(name), args.tp)
+        except ValueError as e:
+            raise UsageError(f"--draft-vocab: {e}") from None
     try:
         requests.check_generation(cfg, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, spec=args.spec,
@@ -247,7 +261,16 @@ def _load(args, name: str, tokenizer):
         print(f"drawing random weights (preset {name})", file=sys.stderr, flush=True)
     return lingjax.load(name, dtype=args.dtype, kernels=args.kernels, seed=args.seed, tp=args.tp,
                         router_precision=args.router_precision, progress=Progress("loading weights"),
-                        tokenizer=tokenizer, weights=args.weights, draft=getattr(args, "draft_source", None))
+                        tokenizer=tokenizer, weights=args.weights, draft=getattr(args, "draft_source", None),
+                        **_draft_vocab_kwargs(args.draft_vocab))
+
+
+def _draft_vocab_kwargs(flag: str | None) -> dict:
+    """--draft-vocab N|P%[:FILE] -> load's draft_vocab and draft_vocab_table."""
+    if flag is None:
+        return {}
+    size, _, table = flag.partition(":")
+    return {"draft_vocab": size, "draft_vocab_table": table or None}
 
 
 def _summary(result, args) -> str:

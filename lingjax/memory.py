@@ -38,11 +38,11 @@ def free_bytes(device=None) -> int | None:
     return None
 
 
-def check_fits(cfg: LingConfig, dtype, tp: int = 1, source: str = "the model", fp8=None) -> None:
-    """ValueError when the weights (fp8: an Fp8Layout, its matrices in fp8), split over tp devices, would take
-    more than HEADROOM of a device's free memory (the split is taken as even: an estimate, slightly low for the
-    replicated parts)."""
-    need = weight_bytes(cfg, dtype, fp8) / tp
+def check_fits(cfg: LingConfig, dtype, tp: int = 1, source: str = "the model", fp8=None, extra_bytes: int = 0) -> None:
+    """ValueError when the weights (fp8: an Fp8Layout, its matrices in fp8) and extra_bytes (copies made at load: a
+    draft vocabulary's lm_head rows), split over tp devices, would take more than HEADROOM of a device's free memory
+    (the split is taken as even: an estimate, slightly low for the replicated parts)."""
+    need = (weight_bytes(cfg, dtype, fp8) + extra_bytes) / tp
     free = free_bytes()
     if free is not None and need > HEADROOM * free:
         where = f"each of {tp} devices" if tp > 1 else f"the {jax.devices()[0].platform.upper()} device"

@@ -82,6 +82,7 @@ class Model:
         self.source = source
         self.tokenizer = tokenizer  # text <-> ids (lingjax.tokenizer); None: this model takes token ids only
         self.draft = None  # a lingjax.spec.dspark.DSpark beside the target (with_draft), for spec="dspark"
+        self.draft_vocab = None  # a lingjax.spec.draft_vocab.DraftVocab the drafters draft over (None: all)
         self.mesh = mesh
         self.tp = 1 if mesh is None else mesh.size
         if mesh is not None:
@@ -132,6 +133,18 @@ class Model:
         other = copy.copy(self)
         other.draft = draft
         other._set_options(self.options)  # programs of its own, which read the drafter
+        return other
+
+    def with_draft_vocab(self, vocab) -> Model:
+        """This model with the drafters (NEXTN and DSpark) drafting over a draft vocabulary
+        (lingjax.spec.draft_vocab.DraftVocab, placed like the lm_head; None: the whole vocabulary): its own
+        programs, compiled on first use. The verify keeps the full lm_head, so the output is unchanged."""
+        if vocab is not None and vocab.head.shape[1] != self.cfg.hidden_size:
+            raise ValueError(f"a draft vocabulary of width {vocab.head.shape[1]} for a model of hidden size "
+                             f"{self.cfg.hidden_size}")
+        other = copy.copy(self)
+        other.draft_vocab = vocab
+        other._set_options(self.options)
         return other
 
     @property

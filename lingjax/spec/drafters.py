@@ -4,7 +4,8 @@ A drafter is a frozen (hashable) object whose methods are pure functions called 
 round with the merged LingModel; its state is a pytree it owns, carried in SpecState.draft, and its own
 weights (a block drafter's network; () for the others) are `params`, an argument of the programs.
 - feature_layers: the target layers whose residual streams it reads (TargetRows.features); () for none
-- params_of(model) -> its weights for a lingjax.Model (a pytree of arrays, replicated under TP)
+- params_of(model) -> its weights for a lingjax.Model (a pytree of arrays, replicated under TP, except a
+  lingjax.spec.draft_vocab.DraftVocab among them: the model's draft vocabulary, split like the lm_head)
 - init(module, capacity) -> state
 - prefill(module, params, state, rows: TargetRows, next_token, ex) -> state: consume a prompt chunk
   (the target's rows included); next_token is the token after the chunk.
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lingjax.cache import MLACache, init_mla_cache
+from lingjax.spec.draft_vocab import draft_argmax
 
 
 @jax.tree_util.register_dataclass
@@ -74,38 +76,42 @@ class NextnState:
 @dataclasses.dataclass(frozen=True)
 class NextnDrafter(_NoParams):
     """NEXTN chain (topk = 1) with the checkpoint's MTP layer: S drafts from S-1 MTP forwards
-    (d_1 comes from the previous round's draft-extend)."""
+    (d_1 comes from the previous round's draft-extend). Every draft is an argmax (sampled rounds take the
+    target-only rule), over the model's draft vocabulary when it has one: its params are Model.draft_vocab."""
 
     steps: int
+
+    def params_of(self, model):
+        vocab = getattr(model, "draft_vocab", None)
+        return () if vocab is None else vocab
 
     def init(self, module, capacity: int) -> NextnState:
         cfg = module.cfg
         return NextnState(cache=init_mla_cache(cfg, capacity, module.dtype), d1=jnp.zeros((), jnp.int32),
                           g=jnp.zeros((cfg.hidden_size,), module.dtype))
 
-    def _seed(self, module, z, cache, ex) -> NextnState:
-        d1 = ex.argmax_vocab(module.lm_logits(z, pad_small=False, ex=ex))
-        return NextnState(cache=cache, d1=d1, g=z)
+    def _seed(self, module, vocab, z, cache, ex) -> NextnState:
+        return NextnState(cache=cache, d1=draft_argmax(module, vocab, z, ex), g=z)
 
     def prefill(self, module, params, state, rows: TargetRows, next_token, ex):
         # MTP row p takes (x_{p+1}, h_p): the chunk shifted left, the token after it at row n_valid-1.
         tokens, n_valid = rows.tokens, rows.n_valid
         shifted = jnp.concatenate([tokens[1:], tokens[:1]]).at[n_valid - 1].set(next_token)
         z, cache = module.mtp_forward(shifted, rows.hidden, state.cache, rows.start, n_valid, ex)
-        return self._seed(module, jax.lax.dynamic_index_in_dim(z, n_valid - 1, keepdims=False), cache, ex)
+        return self._seed(module, params, jax.lax.dynamic_index_in_dim(z, n_valid - 1, keepdims=False), cache, ex)
 
     def propose(self, module, params, state, bonus, s, key, sampling, ex):
         drafts, g, cache = [state.d1], state.g, state.cache
         for i in range(1, self.steps):  # MTP row at s+i-1 with (d_i, g) predicts d_{i+1}
             z, cache = module.mtp_forward(drafts[-1][None], g[None], cache, s + i - 1, 1, ex)
             g = z[0]
-            drafts.append(ex.argmax_vocab(module.lm_logits(g, pad_small=False, ex=ex)))
+            drafts.append(draft_argmax(module, params, g, ex))
         return Proposal(jnp.stack(drafts)), NextnState(cache=cache, d1=state.d1, g=g)
 
     def extend(self, module, params, state, rows: TargetRows, n, ex):
         # MTP rows at s..s+S with (y_r, h_{s+r}); row n seeds the next round, rows past n are junk.
         z, cache = module.mtp_forward(rows.tokens, rows.hidden, state.cache, rows.start, rows.tokens.shape[0], ex)
-        return self._seed(module, jax.lax.dynamic_index_in_dim(z, n, keepdims=False), cache, ex)
+        return self._seed(module, params, jax.lax.dynamic_index_in_dim(z, n, keepdims=False), cache, ex)
 
 
 @dataclasses.dataclass(frozen=True)

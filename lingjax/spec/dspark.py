@@ -28,6 +28,7 @@ from flax import nnx
 
 from lingjax.dtypes import dtype_of
 from lingjax.sampling import SamplingParams, processed_logits
+from lingjax.spec.draft_vocab import full_draft_logits
 from lingjax.spec.drafters import Proposal, TargetRows
 from lingjax.spec.dspark_model import DSparkConfig, DSparkDraft, abstract_draft
 
@@ -48,7 +49,9 @@ def _graphdef(cfg: DSparkConfig, dtype: str):
 class DSparkDrafter:
     """The DSpark drafter of lingjax.spec.drafters' interface. steps: drafts verified a round (1..block_size);
     min_survival: of those, the leading ones whose survival probability is at least this count (the limit is a
-    stopping time of the draft's own confidences, so sampled rounds stay lossless: docs/dspark.md)."""
+    stopping time of the draft's own confidences, so sampled rounds stay lossless: docs/dspark.md). Its params
+    are (the network's weights, Model.draft_vocab): with a draft vocabulary the base logits U_k cover its tokens
+    alone (-inf elsewhere), so drafts come from it and a sampled draft's distribution is zero outside it."""
 
     cfg: DSparkConfig
     dtype: str
@@ -71,7 +74,7 @@ class DSparkDrafter:
             raise ValueError(f"{model.source or 'this model'} has no DSpark drafter: lingjax.load(..., draft=DIR)")
         if draft.cfg != self.cfg or draft.dtype != self.dtype:
             raise ValueError("this DSparkDrafter was made for another drafter than the model's")
-        return draft.params
+        return draft.params, getattr(model, "draft_vocab", None)
 
     def _net(self, params) -> DSparkDraft:
         return nnx.merge(_graphdef(self.cfg, self.dtype), params)
@@ -83,7 +86,7 @@ class DSparkDrafter:
 
     def _write_context(self, params, state: DSparkState, rows: TargetRows) -> DSparkState:
         positions = rows.start + jnp.arange(rows.features.shape[0], dtype=jnp.int32)
-        k, v = self._net(params).context_kv(rows.features, positions)
+        k, v = self._net(params[0]).context_kv(rows.features, positions)
 
         def put(cache, new):
             return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), rows.start, 1)
@@ -97,12 +100,13 @@ class DSparkDrafter:
         return self._write_context(params, state, rows)
 
     def propose(self, module, params, state: DSparkState, bonus, s, key, sampling: SamplingParams, ex):
-        net, c = self._net(params), self.cfg
+        (weights, vocab), c = params, self.cfg
+        net = self._net(weights)
         tokens = jnp.full((c.block_size,), c.mask_token_id, jnp.int32).at[0].set(bonus)
         positions = s + jnp.arange(c.block_size, dtype=jnp.int32)
         visible = jnp.arange(state.k.shape[1]) < s
         h = net.blocks(module.embed_tokens(tokens)[None], positions[None], state.k, state.v, visible[None])[0]
-        base = ex.gather_vocab(module.lm_logits(h, pad_small=False, ex=ex))  # [γ, V] f32: U_1..U_γ
+        base = full_draft_logits(module, vocab, h, ex)  # [γ, V] f32: U_1..U_γ
         drafts, probs, conf = markov_chain(net, base, h, bonus, key, sampling, c.markov_topk)
         survival = jnp.cumprod(jax.nn.sigmoid(conf))  # [γ]: a_k
         s_ = self.steps

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from lingjax import cache as cache_lib
 from lingjax.runtime import Model, steps_in_one_call
 from lingjax.sampling import SamplingParams, sample
+from lingjax.spec import draft_vocab
 from lingjax.spec.accept import accept
 from lingjax.spec.drafters import TargetRows
 
@@ -48,7 +49,8 @@ def spec_program(model: Model, drafter, sampling: SamplingParams, rounds_per_cal
 
 class SpecProgram:
     """Jitted prefill and rounds for one (model, drafter, sampling, rounds_per_call) combination;
-    under TP each body runs inside shard_map (the drafter's state and weights are replicated).
+    under TP each body runs inside shard_map (the drafter's state and weights are replicated, but for a draft
+    vocabulary, split like the lm_head: lingjax.spec.draft_vocab).
     Every program takes `weights` = (the target's weights, the drafter's params): `self.weights`.
     round(weights, state) -> (state after rounds_per_call rounds, int32 [rounds_per_call, 2 + S + R]: each
     round's `output_row`)."""
@@ -58,7 +60,7 @@ class SpecProgram:
         self.rounds_per_call = rounds_per_call
         self.draft_params = drafter.params_of(model)
         rep = P()
-        weight_specs = (model.weight_specs, jax.tree.map(lambda _: rep, self.draft_params))
+        weight_specs = (model.weight_specs, draft_vocab.specs(self.draft_params))
         draft_specs = jax.tree.map(lambda _: rep, jax.eval_shape(lambda: drafter.init(model.module, 1)))
         state_specs = SpecState(cache=model.cache_specs, draft=draft_specs, s=rep, bonus=rep, round=rep, key=rep)
         chunk_specs = ((weight_specs, model.cache_specs, draft_specs) + (rep,) * 5, (rep, model.cache_specs,
