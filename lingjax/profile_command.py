@@ -224,12 +224,7 @@ def run_compare(args) -> int:
         out = None if args.out is None else args.out / label
         results.append(profile_model(base.variant(kernels=k), args, out))
         labels.append(label)
-    (a, meta_a), (b, meta_b) = results
-    print(f"A: {profile_report.describe(meta_a)}")
-    print(f"B: {profile_report.describe(meta_b)}")
-    print()
-    print(profile_report.format_compare(tuple(labels), a, b))
-    return 0
+    return _print_compare(labels, results)
 
 
 def _profile_argv(args) -> list[str]:
@@ -278,9 +273,16 @@ def _compare_revisions(args) -> int:
                                          "revision before `lingjax profile` has none)")
                 saved.append(profile_report.read(out))
                 labels.append(label)
-    (ca, meta_a), (cb, meta_b) = saved
-    print(f"A: {labels[0]}: {profile_report.describe(meta_a)}")
-    print(f"B: {labels[1]}: {profile_report.describe(meta_b)}")
+    return _print_compare(labels, saved, name_sides=True)
+
+
+def _print_compare(labels: list[str], sides: list, name_sides: bool = False) -> int:
+    """The two censuses [(census, meta), (census, meta)], each side described, then side by side; -> exit 0."""
+    from lingjax import profile_report
+
+    (a, meta_a), (b, meta_b) = sides
+    for side, label, meta in (("A", labels[0], meta_a), ("B", labels[1], meta_b)):
+        print(f"{side}: {label + ': ' if name_sides else ''}{profile_report.describe(meta)}")
     print()
-    print(profile_report.format_compare(tuple(labels), ca, cb))
+    print(profile_report.format_compare(tuple(labels), a, b))
     return 0

@@ -206,6 +206,18 @@ def assert_frequencies(samples, p, vocab: int) -> None:
     assert not bad.any(), f"bins {np.flatnonzero(bad).tolist()}: freq {freq[bad]} vs p {p[bad]} ({samples.size} draws)"
 
 
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `lingjax ARGV` in this process, argparse's own exits included."""
+    from lingjax import cli
+
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as done:
+        code = done.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def rel_err(got, want) -> float:
     """max |got - want| / max |want|; NaN anywhere fails."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

@@ -10,19 +10,11 @@ import numpy as np
 import pytest
 
 import lingjax
-from conftest import FIXTURES
-from lingjax import checkpoint, cli, loading, memory
+from conftest import FIXTURES, run_cli
+from lingjax import checkpoint, loading, memory
 from lingjax.chat_repl import ChatSession
 
-
-def _run(argv, capsys) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `lingjax ARGV`, argparse's own exits included."""
-    try:
-        code = cli.main(argv)
-    except SystemExit as done:
-        code = done.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_run = run_cli
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import lingjax
-from conftest import assert_frequencies, key_for
+from conftest import assert_frequencies, key_for, run_cli
 from lingjax.config import preset
 from lingjax.execution import Exec
 from lingjax.sampling import SamplingParams
@@ -217,15 +217,7 @@ def test_draft_argmax_under_tp_equals_one_device():
 
 
 # ---- the CLI flag -----------------------------------------------------------------------------------
-def _cli(argv, capsys):
-    from lingjax import cli
-
-    try:
-        code = cli.main(argv)
-    except SystemExit as done:
-        code = done.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_cli = run_cli
 
 
 @pytest.mark.parametrize("flag, message", [
