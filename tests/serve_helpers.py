@@ -20,7 +20,8 @@ def wait_ready(url: str, process=None, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server exited with status {process.returncode}:\n{process.stderr.read()}")
+            said = process.stderr.read() if process.stderr is not None else "(its stderr went to a file)"
+            raise RuntimeError(f"the server exited with status {process.returncode}:\n{said}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
                 if r.status == 200:

@@ -249,7 +249,9 @@ def test_serve_refuses_a_bad_command_line_before_loading(capsys):
 
     for argv, error in ((["--port", "70000"], "--port must be in [1, 65535]"),
                         (["--steps", "3"], "--steps (drafts per speculative round) has no effect without spec"),
-                        (["--draft", "none"], "--draft has no effect without --spec dspark")):
+                        (["--draft", "none"], "--draft has no effect without --spec dspark"),
+                        (["--draft-vocab", "25%"], "--draft-vocab has no effect without --spec"),
+                        (["--spec", "nextn", "--draft-vocab", "0"], "--draft-vocab: ")):
         assert cli.main(["serve", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("lingjax: error: ") and error in err and err.count("\n") == 1

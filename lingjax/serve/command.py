@@ -25,6 +25,8 @@ def add_parser(sub, add_model_args, **kwargs) -> None:
                    help="--spec dspark: verify widths chosen each round by the drafter's confidence")
     p.add_argument("--draft", default=None, metavar="DIR|random|none",
                    help="the DSpark drafter for --spec dspark (default: the shipped model's own)")
+    p.add_argument("--draft-vocab", default=None, metavar="N|P%[:FILE]",
+                   help="--spec: draft over the N (or P%%) most frequent tokens (as for lingjax generate)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients name (default: the checkpoint directory's or preset's name)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
