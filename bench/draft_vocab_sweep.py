@@ -49,12 +49,12 @@ def parse_args(argv=None):
     ap.add_argument("--context", type=int, default=1024, help="the timing prompt's tokens")
     ap.add_argument("--skip-accept", action="store_true", help="round times only")
     ap.add_argument("--skip-time", action="store_true", help="accept lengths only")
-    ap.add_argument("--smoke", action="store_true", help="tiny preset, 2 prompts, 16 tokens, few points: CPU")
+    ap.add_argument("--smoke", action="store_true", help="tiny preset, 1 prompt, NEXTN S=3 at full and 25%%: CPU")
     ap.add_argument("--out", help="markdown report (also printed)")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.model, args.nextn_steps, args.dspark_steps, args.draft_vocab = "tiny", [3], [3], "full,25%"
-        args.count, args.new_tokens, args.rounds, args.context = 2, 16, 4, 64
+        args.model, args.nextn_steps, args.dspark_steps, args.draft_vocab = "tiny", [3], [], "full,25%"
+        args.count, args.new_tokens, args.rounds, args.context = 1, 16, 4, 64
     args.vocabs = [v for v in args.draft_vocab.split(",") if v]
     from lingjax.spec.draft_vocab import check_size
 
