@@ -129,43 +129,25 @@ def time_steps(fn, n: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(dispatch)
 
 
-def prepared_calls(prepare, call, n: int):
-    """-> launch(): n calls from a fresh state (prepare(n)) -> (start time, last output); call(state) -> (state,
-    output)."""
-    state = prepare(n)
-    jax.block_until_ready(state)
-
-    def launch():
-        nonlocal state
-        t = time.perf_counter()
-        for _ in range(n):
-            state, out = call(state)
-        return t, out
-
-    return launch
-
-
-def time_program(what: str, per_call: int, n: int, prepare, call, lower):
-    """Compile, then time about n steps of a program that runs per_call steps a call, then count the kernels of its
-    compiled HLO (lower(state) -> HLO text, at the timed calls' shapes so the compilation cache serves it).
-    -> (s/step, host s/step, kernels, HLO text, launch maker, s/call)."""
+def time_program(what: str, per_call: int, n: int, program):
+    """Compile, then time about n steps of a lingjax.steady program that runs per_call steps a call, then count the
+    kernels of its compiled HLO (at the timed calls' shapes, so the compilation cache serves it).
+    -> (s/step, host s/step, kernels, HLO text, launch maker (Steady.launcher), s/call)."""
     calls = max(1, n // per_call)
     began = time.perf_counter()
-    prepared_calls(prepare, call, 2)()
+    program.launcher(2)()
     compiled = time.perf_counter()
-    t_call, h_call = time_steps(lambda k: prepared_calls(prepare, call, k)(), calls)
+    t_call, h_call = time_steps(lambda k: program.launcher(k)(), calls)
     progress(f"{what} compiled in {compiled - began:.0f} s, timed in {time.perf_counter() - compiled:.0f} s")
-    hlo = lower(prepare(calls))
-    return (t_call / per_call, h_call / per_call, launch_summary(hlo), hlo,
-            lambda k: prepared_calls(prepare, call, k), t_call)
+    hlo = program.lower(program.prepare(calls))
+    return (t_call / per_call, h_call / per_call, launch_summary(hlo), hlo, program.launcher, t_call)
 
 
 def time_decode(model, args, prompt, steps: int):
     """The T=1 decode program at `steps` per call -> time_program's result."""
     program = steady.steady_program(model, "decode", prompt, per_call=steps)
     name = "decode T=1" + (f", {steps} per call" if steps > 1 else "")
-    return name, time_program(f"tp={model.tp} {variant_name(model)}: {name}", steps, args.n, program.prepare,
-                              program.call, program.lower)
+    return name, time_program(f"tp={model.tp} {variant_name(model)}: {name}", steps, args.n, program)
 
 
 def time_round(model, args, prompt, rounds: int, spec: str = "nextn"):
@@ -173,8 +155,7 @@ def time_round(model, args, prompt, rounds: int, spec: str = "nextn"):
     program = steady.steady_program(model, spec, prompt, args.steps if spec == "nextn" else None, per_call=rounds)
     name = (f"spec round S={program.drafts}" if spec == "nextn" else f"DSpark round S={program.drafts}") + (
         f", {rounds} per call" if rounds > 1 else "")
-    return name, time_program(f"tp={model.tp} {variant_name(model)}: {name}", rounds, args.n, program.prepare,
-                              program.call, program.lower)
+    return name, time_program(f"tp={model.tp} {variant_name(model)}: {name}", rounds, args.n, program)
 
 
 def bench_model(model, args, prompt, say, measured):
