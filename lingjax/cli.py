@@ -192,13 +192,12 @@ def _draft(args, cfg, name: str):
     return str(choice), draft_cfg.block_size
 
 
-# check_generation's arguments that are flags of their own: a message about one names the flag, as --help spells it
-_REQUEST_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "steps", "widths", "rounds_per_call")
-
-
 def _as_flag(message: str) -> str:
-    name = message.split(" ", 1)[0]
-    return "--" + name.replace("_", "-") + message[len(name):] if name in _REQUEST_FLAGS else message
+    """A request check's message naming its argument as the flag, as --help spells it."""
+    from lingjax.requests import argument_of
+
+    name = argument_of(message)
+    return "--" + name.replace("_", "-") + message[len(name):] if name else message
 
 
 def _check_request(cfg, prompt_len: int, args, name: str) -> None:

@@ -127,6 +127,17 @@ class GenerationPlan:
         return self.spec is not None and self.steps == 0
 
 
+# check_generation's arguments a caller may name differently (a CLI flag, an API field): a message about one starts
+# with its name
+ARGUMENTS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "steps", "widths", "rounds_per_call")
+
+
+def argument_of(message: str) -> str | None:
+    """The argument of ARGUMENTS a check_generation message is about (its first word), or None."""
+    first = message.split(" ", 1)[0]
+    return first if first in ARGUMENTS else None
+
+
 def check_generation(cfg: LingConfig, *, prompt_len: int, max_new_tokens: int, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, spec: str | None = None, steps: int | None = None,
                      widths: Sequence[int] | None = None, rounds_per_call: int = 1, has_mtp: bool | None = None,

@@ -23,6 +23,10 @@ DEFAULT_CHAT_MAX_TOKENS = 1024  # a chat request without max_tokens: this, or wh
 ROLE_END = "<|role_end|>"  # Ling-3's turn end, which the model sometimes writes as plain text
 
 
+# check_generation's arguments a request sets (the others, steps and widths, are the server's own options)
+REQUEST_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+
+
 class Cancelled(Exception):
     """The client went away: the generation stops at its next token."""
 
@@ -82,8 +86,8 @@ class ModelBackend:
                                       has_mtp=self.model.has_mtp, draft_block=draft, seed=seed)
         except ValueError as e:
             message = str(e).replace("max_new_tokens", "max_tokens")
-            first = message.split(" ", 1)[0]
-            param = first if first in ("max_tokens", "temperature", "top_k", "top_p", "seed") else (
+            name = requests.argument_of(str(e))
+            param = {"max_new_tokens": "max_tokens"}.get(name, name) if name in REQUEST_FIELDS else (
                 "max_tokens" if "max_tokens" in message else None)  # the prompt plus max_tokens past the length
             raise ApiError(message, param=param, code="invalid_value") from None
         return dict(max_new_tokens=max_new, temperature=sampling.temperature, top_k=sampling.top_k,
