@@ -69,6 +69,10 @@ def create_app(backend) -> FastAPI:
         finally:
             job.cancel()
 
+    def reply_head(id_prefix: str, kind: str) -> dict:
+        """What every chunk (or the reply) of one request carries: its id, object, creation time and model."""
+        return {"id": id_prefix + uuid.uuid4().hex, "object": kind, "created": int(time.time()), "model": backend.name}
+
     async def start(prompt, kwargs):
         return await worker.submit(lambda on_text, cancelled: backend.run(prompt, kwargs, on_text, cancelled))
 
@@ -77,8 +81,7 @@ def create_app(backend) -> FastAPI:
         req = protocol.completion_request(protocol.parse_json(await request.body()), backend.name)
         prompt = backend.completion_prompt(req)
         kwargs = backend.plan(prompt, req.sampling, chat=False)
-        head = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
-                "model": backend.name}
+        head = reply_head("cmpl-", "text_completion")
         job = await start(prompt, kwargs)
         if not req.stream:
             text = []
@@ -112,8 +115,7 @@ def create_app(backend) -> FastAPI:
         req = protocol.chat_request(protocol.parse_json(await request.body()), backend.name)
         prompt = backend.chat_prompt(req)
         kwargs = backend.plan(prompt, req.sampling, chat=True)
-        head = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
-                "model": backend.name}
+        head = reply_head("chatcmpl-", "chat.completion")
         parser = ReplyParser(opens_thinking(prompt.text or ""), req.tools, parse_tools=req.tool_choice == "auto")
         job = await start(prompt, kwargs)
 
