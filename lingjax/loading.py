@@ -97,9 +97,7 @@ def draft_vocab_ids(draft_vocab, table, cfg: LingConfig, directory: Path | None,
     if isinstance(table, (str, Path)):
         counts = draft_vocab_lib.read_table(table, cfg.vocab_size)
     else:
-        counts = np.asarray(table, np.float64)
-        if counts.shape != (cfg.vocab_size,) or not np.isfinite(counts).all() or (counts < 0).any():
-            raise ValueError(f"draft_vocab_table must hold {cfg.vocab_size} finite non-negative counts")
+        counts = draft_vocab_lib.check_counts(table, cfg.vocab_size)
     return draft_vocab_lib.top_ids(counts, n)
 
 

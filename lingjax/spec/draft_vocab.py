@@ -106,12 +106,19 @@ def read_table(path, vocab_size: int) -> np.ndarray:
         table = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise ValueError(f"draft vocabulary table {path}: not a .npy array ({e})") from None
+    return check_counts(table, vocab_size, f"draft vocabulary table {path}")
+
+
+def check_counts(table, vocab_size: int, what: str = "draft_vocab_table") -> np.ndarray:
+    """A frequency table (an array) -> float64 [vocab_size]; ValueError naming `what` unless it is a numeric
+    vector of vocab_size finite, non-negative counts."""
+    table = np.asarray(table)
     if table.shape != (vocab_size,) or not np.issubdtype(table.dtype, np.number):
-        raise ValueError(f"draft vocabulary table {path}: expected a numeric vector of {vocab_size} (the model's "
-                         f"vocabulary), got {table.dtype} {table.shape}")
+        raise ValueError(f"{what}: expected a numeric vector of {vocab_size} counts (the model's vocabulary), got "
+                         f"{table.dtype} {table.shape}")
     table = table.astype(np.float64)
     if not np.isfinite(table).all() or (table < 0).any():
-        raise ValueError(f"draft vocabulary table {path}: counts must be finite and non-negative")
+        raise ValueError(f"{what}: counts must be finite and non-negative")
     return table
 
 
