@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU figures the open issues wait on, one device call per part, from the repo root with $OUT set (H200, one GPU).
+# BASE: a checkout of the last tree before autotuning was turned off (`git archive df9e41e | tar -x -C .dev/base`
+# here, carried). Logs go to $LOGDIR (default /tmp/logs: only 8 files come back); steps.md gets each log's tail.
+#   part guard: issue 45's regression guard on the current tree (mid decode and NEXTN round against BASE, two pairs
+#               of fresh processes); the HTTP server against in-process generation with the shipped pair (issue 50);
+#               the host's dispatch per argument array (issue 48); mid's census, XLA against Pallas kernels (issue 49).
+#   part flash: full Flash fp8 (issue 48): decode and NEXTN round at 1 and 4 rounds per call, each program's census;
+#               mid's census, bf16 against fp8 (issue 49).
+set -u
+PART=${1:?part guard or flash}
+BASE=${BASE:-.dev/base}
+DEADLINE=${DEADLINE:-555}
+LOGDIR=${LOGDIR:-/tmp/logs}
+mkdir -p "$LOGDIR"
+source "$(dirname "$0")/device_steps.sh"
+heading "open-issue figures, part $PART"
+
+if [[ $PART == guard ]]; then
+    step step_ab 250 python bench/step_bench.py --model mid --kernels pallas --programs decode nextn --n 16 \
+        --baseline "$BASE" --baseline-rounds 2 --out "$OUT/step_ab.md"
+    step serve_http 150 python bench/serve_overhead.py --spec none nextn dspark --prompt-len 512 --output-len 256 \
+        --requests 8 --log-dir "$LOGDIR" --out "$OUT/serve_overhead.md"
+    step launch 50 python bench/launch_bench.py --tp 1 --layers 64 256 1024 --repeat 1 --n 20 \
+        --out "$OUT/launch.md"
+    step prof_kernels 130 python -m lingjax.cli profile compare --model mid --kernels xla pallas --n 10 --out "$LOGDIR/prof_kernels"
+    cp "$LOGDIR/prof_kernels.log" "$OUT/"
+else
+    step step_flash 260 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
+        --programs decode nextn --steps 3 --rounds-per-call 1 4 --n 16 --out "$OUT/step_flash.md"
+    step prof_flash_decode 100 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 --program decode --n 10
+    step prof_flash_nextn 130 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 --program nextn --steps 3 \
+        --n 10
+    step prof_fp8 120 python -m lingjax.cli profile compare --model mid --kernels pallas pallas --weights dense fp8 --n 10 \
+        --out "$LOGDIR/prof_fp8"
+    for f in prof_flash_decode prof_flash_nextn prof_fp8; do cp "$LOGDIR/$f.log" "$OUT/" 2>/dev/null; done
+fi
+for f in "$LOGDIR"/*.log; do
+    { echo; echo "## tail of $(basename "$f")"; tail -n 25 "$f"; } >>"$OUT/steps.md"
+done
+finish
