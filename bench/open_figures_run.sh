@@ -26,6 +26,7 @@ if [[ $PART == guard ]]; then
     step prof_kernels 130 python -m lingjax.cli profile compare --model mid --kernels xla pallas --n 10 --out "$LOGDIR/prof_kernels"
     cp "$LOGDIR/prof_kernels.log" "$OUT/"
 else
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97  # full Flash fp8 holds ~128 GB
     step step_flash 260 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
         --programs decode nextn --steps 3 --rounds-per-call 1 4 --n 16 --out "$OUT/step_flash.md"
     step prof_flash_decode 100 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 --program decode --n 10
