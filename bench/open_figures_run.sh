@@ -36,6 +36,7 @@ else
         --out "$LOGDIR/prof_fp8"
     for f in prof_flash_decode prof_flash_nextn prof_fp8; do cp "$LOGDIR/$f.log" "$OUT/" 2>/dev/null; done
 fi
+grep -h "compiled in" "$LOGDIR"/*.log >>"$OUT/steps.md" 2>/dev/null
 for f in "$LOGDIR"/*.log; do
     { echo; echo "## tail of $(basename "$f")"; tail -n 25 "$f"; } >>"$OUT/steps.md"
 done

@@ -29,7 +29,10 @@ Printed with:
   Exec.tap), KDA state traffic, MLA latent cache, MTP draft weights; split weights count 1/tp, replicated ones in
   full;
 - floor: bytes / bandwidth, the read probe measured at the run's start and end, the larger taken;
-- host dispatch: the host's time to enqueue a step (≈ the step time when the host sets the pace).
+- host dispatch: the host's time to enqueue a step, back to back (≈ the step time when either side sets the pace:
+  a full launch queue holds the host back);
+- idle host / call: the host's own time to dispatch one call onto an idle device (lingjax.steady.dispatch_seconds),
+  against the call's device time: what the host costs a step once nothing waits in a queue.
 --profile DIR traces --profile-steps spec rounds per configuration and prints the GPU-time census of
 lingjax.profiling side by side, calibrated against the unprofiled round; the raw traces and the round's optimised
 HLO land flat in DIR.
@@ -132,15 +135,17 @@ def time_steps(fn, n: int) -> tuple[float, float]:
 def time_program(what: str, per_call: int, n: int, program):
     """Compile, then time about n steps of a lingjax.steady program that runs per_call steps a call, then count the
     kernels of its compiled HLO (at the timed calls' shapes, so the compilation cache serves it).
-    -> (s/step, host s/step, kernels, HLO text, launch maker (Steady.launcher), s/call)."""
+    -> (s/step, host s/step, kernels, HLO text, launch maker (Steady.launcher), s/call, host s/call onto an idle
+    device)."""
     calls = max(1, n // per_call)
     began = time.perf_counter()
     program.launcher(2)()
     compiled = time.perf_counter()
     t_call, h_call = time_steps(lambda k: program.launcher(k)(), calls)
+    idle = steady.dispatch_seconds(program)
     progress(f"{what} compiled in {compiled - began:.0f} s, timed in {time.perf_counter() - compiled:.0f} s")
     hlo = program.lower(program.prepare(calls))
-    return (t_call / per_call, h_call / per_call, launch_summary(hlo), hlo, program.launcher, t_call)
+    return (t_call / per_call, h_call / per_call, launch_summary(hlo), hlo, program.launcher, t_call, idle)
 
 
 def time_decode(model, args, prompt, steps: int):
@@ -160,18 +165,19 @@ def time_round(model, args, prompt, rounds: int, spec: str = "nextn"):
 
 def bench_model(model, args, prompt, say, measured):
     """Decode-step and speculative-round timings of one model variant, per --rounds-per-call and --programs, each
-    handed to measured(kind, name, s/step, host s/step, kernels) as soon as it is timed (a run cut short keeps
+    handed to measured(kind, name, s/step, host s/step, kernels, idle host / call time) as soon as it is timed (a run cut short keeps
     them) -> the censuses of the traced rounds by round kind."""
     censuses = {}
     if "decode" in args.programs:
         for steps in args.rounds_per_call:
-            name, (step_s, host_s, kernels, *_) = time_decode(model, args, prompt, steps)
-            measured("decode", name, step_s, host_s, kernels)
+            name, (step_s, host_s, kernels, *_, t_call, idle) = time_decode(model, args, prompt, steps)
+            measured("decode", name, step_s, host_s, kernels, idle / t_call)
     specs = [p for p in ("nextn", "dspark") if p in args.programs and (p == "nextn" or model.draft is not None)]
     for rounds in args.rounds_per_call:
         for spec in specs:
-            name, (step_s, host_s, kernels, hlo, launches, t_call) = time_round(model, args, prompt, rounds, spec)
-            measured("round" if spec == "nextn" else spec, name, step_s, host_s, kernels)
+            name, (step_s, host_s, kernels, hlo, launches, t_call, idle) = time_round(model, args, prompt, rounds,
+                                                                                     spec)
+            measured("round" if spec == "nextn" else spec, name, step_s, host_s, kernels, idle / t_call)
             if args.profile and rounds == args.rounds_per_call[0]:  # only the first variant's calls are traced
                 census = profile_rounds(model, args, launches, hlo, rounds, t_call, say, spec)
                 if census is not None:
@@ -280,10 +286,10 @@ def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
             f"T={block + 1}: mean {np.mean([d for d in distinct_d if d]):.1f}")
     rows, censuses = [], {}
     for model in variants(base, args):
-        def measured(kind, name, t, host, k, model=model):
-            rows.append((tp, weights, variant_name(model), name, t, host, k, bytes_of[kind]))
+        def measured(kind, name, t, host, k, idle_share, model=model):
+            rows.append((tp, weights, variant_name(model), name, t, host, idle_share, k, bytes_of[kind]))
             say(f"tp={tp} {variant_name(model)}: {name}: {t * 1e6:.0f} µs/step, host dispatch {host * 1e6:.0f} "
-                f"µs/step, {k} kernels, {bytes_of[kind] / 1e6:.0f} MB read per device, floor at the start's "
+                f"µs/step (idle device: {idle_share:.0%} of the call), {k} kernels, {bytes_of[kind] / 1e6:.0f} MB read per device, floor at the start's "
                 f"bandwidth {bytes_of[kind] / args.bandwidth * 1e6:.0f} µs")
 
         model_censuses = bench_model(model, args, prompt, say, measured)
@@ -298,9 +304,9 @@ def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
 
 def report_table(rows, bw: float, say) -> None:
     say()
-    say.table("tp", "weights", "kernels", "step", "µs/step", "host dispatch µs/step", "kernels in HLO",
-              "MB read per device", "floor µs", "step / floor")
-    for tp, weights, kernels, name, t, host, k, b in rows:
+    say.table("tp", "weights", "kernels", "step", "µs/step", "host dispatch µs/step", "idle host / call",
+              "kernels in HLO", "MB read per device", "floor µs", "step / floor")
+    for tp, weights, kernels, name, t, host, idle_share, k, b in rows:
         floor = b / bw
         say.row(
             tp,
@@ -309,6 +315,7 @@ def report_table(rows, bw: float, say) -> None:
             name,
             f"{t * 1e6:.0f}",
             f"{host * 1e6:.0f}",
+            f"{idle_share:.0%}",
             k,
             f"{b / 1e6:.0f}",
             f"{floor * 1e6:.0f}",

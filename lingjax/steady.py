@@ -9,6 +9,7 @@ state, one call, and the call's optimised HLO (for the census's named scopes, li
     launch = steady.launcher(20)          # a fresh state with room for 20 calls
     start, last = launch()                # 20 calls dispatched; block on `last` to finish
     step_s = timed(steady, 20)            # the median seconds per step, unprofiled
+    host_s = dispatch_seconds(steady)     # the host's own seconds to dispatch one call
 """
 
 from __future__ import annotations
@@ -106,4 +107,19 @@ def timed(steady: Steady, n: int, batches: int = 3) -> float:
         t, out = steady.launcher(n)()
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t) / n)
+    return statistics.median(times)
+
+
+def dispatch_seconds(steady: Steady, calls: int = 10) -> float:
+    """The host's seconds to dispatch one call onto an idle device: the median over `calls` calls, each made after
+    the one before has finished. Calls dispatched back to back can wait for room in the device's launch queue, so
+    their host time reads the device's pace whenever the device is the slower one; here nothing is queued."""
+    state = steady.prepare(calls)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        state, out = steady.call(state)
+        times.append(time.perf_counter() - t)
+        jax.block_until_ready((state, out))
     return statistics.median(times)
