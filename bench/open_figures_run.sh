@@ -5,7 +5,8 @@
 #   part guard: issue 45's regression guard on the current tree (mid decode and NEXTN round against BASE, two pairs
 #               of fresh processes); the HTTP server against in-process generation with the shipped pair (issue 50);
 #               the host's dispatch per argument array (issue 48); mid's census, XLA against Pallas kernels (issue 49).
-#   part flash: full Flash fp8 (issue 48): decode and NEXTN round at 1 and 4 rounds per call, each program's census;
+#   part flash: weights stacked by layer read in place by the Pallas linear (bench/stacked_bench.py); full Flash fp8
+#               (issue 48): decode and NEXTN round at 1 and 4 rounds per call, each program's census;
 #               mid's census, bf16 against fp8 (issue 49).
 set -u
 PART=${1:?part guard or flash}
@@ -26,6 +27,7 @@ if [[ $PART == guard ]]; then
     step prof_kernels 130 python -m lingjax.cli profile compare --model mid --kernels xla pallas --n 10 --out "$LOGDIR/prof_kernels"
     cp "$LOGDIR/prof_kernels.log" "$OUT/"
 else
+    step stacked 60 python bench/stacked_bench.py --layers 35 --dim 2560 --out "$OUT/stacked.md"
     export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97  # full Flash fp8 holds ~128 GB
     step step_flash 260 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
         --programs decode nextn --steps 3 --rounds-per-call 1 4 --n 16 --out "$OUT/step_flash.md"

@@ -125,3 +125,23 @@ def test_flash_projections_are_supported_and_lower_for_an_h200(tp, monkeypatch):
             assert supports(x, w, out, tokens=tokens) is None, (label, supports(x, w, out, tokens=tokens))
             fn = lambda x, w, tokens=tokens, out=out: pallas_linear(x, w, out, tokens=tokens, interpret=False)
             jax.jit(fn).trace(x, w).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_linear_reads_a_stacked_weight_in_place(fp8):
+    """layer=j on a stack [L, N, K] gives what the kernel gives on w[j], bit for bit (the same programs read the
+    same values), plain and fp8 (the scales' stack read at the same index); a layer outside the stack is refused."""
+    from lingjax.ops.fp8 import quantize_on_device
+
+    kx, kw = jax.random.split(key_for("pallas_linear_stacked", fp8))
+    x = jax.random.normal(kx, (VERIFY_ROWS, 512), F32).astype(BF16)
+    w = (jax.random.normal(kw, (3, 256, 512), F32) * 512**-0.5).astype(BF16)
+    if fp8:
+        w = quantize_on_device(w.astype(F32), (128, 128))
+    for layer in range(3):
+        got = pallas_linear(x, w, F32, tuning=LinearTuning(k_splits=2), interpret=True, layer=layer)
+        want = pallas_linear(x, w[layer], F32, tuning=LinearTuning(k_splits=2), interpret=True)
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="layer 3"):
+        pallas_linear(x, w, interpret=True, layer=3)

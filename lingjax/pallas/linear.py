@@ -139,11 +139,14 @@ def supports(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = Linear
     return None
 
 
-def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row, tokens, scaled, partial):
+def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row, tokens, scaled, partial, layer):
     # x_ref [ROWS, K] (one_token: [≥ 1, K], its row 0 alone read); w_ref [N, K], plain or fp8; scaled: s_ref
     # [N / gn, K / gk] f32 first; y_ref [splits, ROWS, N] f32 (partial) or [ROWS, N] in the output's dtype.
-    # x_row: lingjax.pallas.x_row_mode at T = 1.
+    # x_row: lingjax.pallas.x_row_mode at T = 1. layer: w_ref (and s_ref) are stacks [L, ...], read at this index.
     s_ref, y_ref = refs if scaled else (None, refs[0])
+    if layer is not None:
+        w_ref = w_ref.at[layer]
+        s_ref = s_ref.at[layer] if scaled else None
     n, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(n * bn, bn)
     k0 = split * k_split
@@ -172,17 +175,23 @@ def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row,
         y_ref[:, cols] = acc.astype(y_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tokens", "tuning", "interpret"))
-def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTuning(), interpret=None):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tokens", "tuning", "interpret", "layer"))
+def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTuning(), interpret=None,
+           layer: int | None = None):
     """x [..., K] (at most ROWS rows), w [N, K] (an array, or an Fp8Array read as fp8) -> [..., N] in out_dtype
     (default x's dtype), from f32 sums rounded once: lingjax.ops.linear.linear (for an fp8 weight without rounding
     the dequantized weight). tokens: the rows that are real (default all): the rows past them come out zero; at
     tokens = 1 the kernel reads x's row 0 alone (the module docstring says how) into the dot's ROWS rows (the same
-    dot, so row 0 rounds as in a verify). Shapes it lowers for: supports."""
+    dot, so row 0 rounds as in a verify). layer: w is a stack of weights [L, N, K] (an fp8 one with its scales
+    [L, ...]) and the kernel reads w[layer] in place, where slicing it first would copy it. Shapes it lowers for:
+    supports."""
     interpret = resolve_interpret(interpret)
     lead, k = x.shape[:-1], x.shape[-1]
-    if len(w.shape) != 2 or w.shape[1] != k:
-        raise ValueError(f"linear takes x [..., {k}] and a weight [N, {k}], got weight {list(w.shape)}")
+    stacked = 3 if layer is not None else 2
+    if len(w.shape) != stacked or w.shape[-1] != k or (layer is not None and not 0 <= layer < w.shape[0]):
+        want = f"a stack of weights [L, N, {k}] and a layer in [0, L)" if layer is not None else f"a weight [N, {k}]"
+        raise ValueError(f"linear takes x [..., {k}] and {want}, got weight {list(w.shape)}"
+                         + (f", layer {layer}" if layer is not None else ""))
     n, _, itemsize, block = _weight_layout(w)
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
@@ -203,7 +212,8 @@ def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTu
     y = pallas_call(
         functools.partial(_kernel, bn=bn, bk=bk, sub=sub, gn=block[0] if block else bn, gk=block[1] if block else bk,
                           k_split=k // splits,
-                          one_token=one_token, x_row=x_row, tokens=real, scaled=block is not None, partial=partial),
+                          one_token=one_token, x_row=x_row, tokens=real, scaled=block is not None, partial=partial,
+                          layer=layer),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if partial else out_dtype),
         grid=(n // bn, splits),
         compiler_params=params,
