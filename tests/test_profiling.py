@@ -85,3 +85,14 @@ def test_op_scopes_of_a_compiled_program():
     text = jax.jit(f).lower(jnp.ones((4, 8)), jnp.ones((8, 8))).compile().as_text()
     scopes = profiling.op_scopes(text).values()
     assert any("kda_proj" in s for s in scopes) and any("moe_router" in s for s in scopes)
+
+
+def test_pallas_kernels_are_categorized_by_their_own_names():
+    """A Pallas kernel inside a CUDA graph carries no HLO scope: its name alone places it (the projections' `linear`
+    is dense GEMM, not glue)."""
+    k = lambda name: profiling.Kernel(0, 0.0, 1.0, name, "command_buffer.1")  # noqa: E731
+    assert profiling.category(k("linear"), "") == "dense GEMM"
+    assert profiling.category(k("kda_chain_verify"), "") == "KDA"
+    assert profiling.category(k("moe_up_select"), "") == "MoE experts"
+    assert profiling.category(k("moe_router_gemv"), "") == "router/glue"
+    assert profiling.category(k("loop_add_fusion"), "") == "router/glue"
