@@ -5,12 +5,13 @@
 #   part guard: issue 45's regression guard on the current tree (mid decode and NEXTN round against BASE, two pairs
 #               of fresh processes); the HTTP server against in-process generation with the shipped pair (issue 50);
 #               mid's census, XLA against Pallas kernels (issue 49).
-#   part flash: weights stacked by layer read in place by the Pallas linear (bench/stacked_bench.py); full Flash fp8
-#               (issue 48): decode and NEXTN round at 1 and 4 rounds per call, each program's census.
-#   part rest:  the HTTP server against in-process generation (issue 50); the host's dispatch per argument array
-#               (issue 48); mid's census, bf16 against fp8 (issue 49); full Flash fp8's DSpark round (issue 48).
+#   part small: (fits an H100) Pallas linear reading layer-stacked weights in place (bench/stacked_bench.py); the HTTP
+#               server against in-process generation (issue 50); the host's dispatch per argument array; mid at 1
+#               and 4 rounds per call with the idle host's share (issue 48); mid's census, bf16 against fp8 (issue 49).
+#   part flash: (needs an H200) full Flash fp8 (issue 48): decode and NEXTN round at 1 and 4 rounds per call, each
+#               program's census, then the DSpark round.
 set -u
-PART=${1:?part guard, flash or rest}
+PART=${1:?part guard, small or flash}
 BASE=${BASE:-.dev/base}
 DEADLINE=${DEADLINE:-555}
 LOGDIR=${LOGDIR:-/tmp/logs}
@@ -25,23 +26,25 @@ if [[ $PART == guard ]]; then
         --requests 8 --log-dir "$LOGDIR" --out "$OUT/serve_overhead.md"
     step prof_kernels 130 python -m lingjax.cli profile compare --model mid --kernels xla pallas --n 10 --out "$LOGDIR/prof_kernels"
     cp "$LOGDIR/prof_kernels.log" "$OUT/"
-elif [[ $PART == flash ]]; then
+elif [[ $PART == small ]]; then
     step stacked 60 python bench/stacked_bench.py --layers 35 --dim 2560 --out "$OUT/stacked.md"
-    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97  # full Flash fp8 holds ~128 GB
-    step step_flash 260 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
-        --programs decode nextn --steps 3 --rounds-per-call 1 4 --n 16 --out "$OUT/step_flash.md"
-    step prof_flash_decode 100 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 --program decode --n 10
-    step prof_flash_nextn 130 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 --program nextn --steps 3 \
-        --n 10
-    for f in prof_flash_decode prof_flash_nextn; do cp "$LOGDIR/$f.log" "$OUT/" 2>/dev/null; done
-elif [[ $PART == rest ]]; then
     step serve_http 150 python bench/serve_overhead.py --spec none nextn dspark --prompt-len 512 --output-len 256 \
         --requests 8 --log-dir "$LOGDIR" --out "$OUT/serve_overhead.md"
     step launch 70 python bench/launch_bench.py --tp 1 --layers 64 512 --repeat 1 --n 20 --out "$OUT/launch.md"
+    step step_mid_rpc 120 python bench/step_bench.py --model mid --kernels pallas --programs decode nextn \
+        --rounds-per-call 1 4 --n 16 --out "$OUT/step_mid_rpc.md"
     step prof_fp8 120 python -m lingjax.cli profile compare --model mid --kernels pallas pallas --weights dense fp8 \
         --n 10 --out "$LOGDIR/prof_fp8"
     cp "$LOGDIR/prof_fp8.log" "$OUT/"
-    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
+elif [[ $PART == flash ]]; then
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97  # full Flash fp8 holds ~128 GB
+    step step_flash 260 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
+        --programs decode nextn --steps 3 --rounds-per-call 1 4 --n 16 --out "$OUT/step_flash.md"
+    step prof_flash_decode 100 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
+        --program decode --n 10
+    step prof_flash_nextn 130 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
+        --program nextn --steps 3 --n 10
+    for f in prof_flash_decode prof_flash_nextn; do cp "$LOGDIR/$f.log" "$OUT/" 2>/dev/null; done
     step step_flash_dspark 200 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
         --programs dspark --dspark --markov-topk 64 --n 16 --out "$OUT/step_flash_dspark.md"
 fi
