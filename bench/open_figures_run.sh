@@ -44,7 +44,9 @@ elif [[ $PART == flash ]]; then
         --program decode --n 10
     step prof_flash_nextn 130 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
         --program nextn --steps 3 --n 10
-    for f in prof_flash_decode prof_flash_nextn; do cp "$LOGDIR/$f.log" "$OUT/" 2>/dev/null; done
+    step prof_flash_prefill 100 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
+        --program prefill --prompt-len 2048 --n 3
+    for f in prof_flash_decode prof_flash_nextn prof_flash_prefill; do cp "$LOGDIR/$f.log" "$OUT/" 2>/dev/null; done
     step step_flash_dspark 200 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
         --programs dspark --dspark --markov-topk 64 --n 16 --out "$OUT/step_flash_dspark.md"
 fi

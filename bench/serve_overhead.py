@@ -76,9 +76,9 @@ def over_http(args, spec: str | None, batch: list[list[int]]) -> list[tuple[floa
             try:
                 urllib.request.urlopen(url + "/health", timeout=2).read()
                 break
-            except OSError:
+            except OSError as e:
                 if time.time() > deadline:
-                    raise RuntimeError(f"the server did not answer /health within {args.start_timeout} s")
+                    raise RuntimeError(f"the server did not answer /health within {args.start_timeout} s") from e
                 time.sleep(0.5)
         name = serve_http.served_model(url)
         out = []

@@ -165,8 +165,8 @@ def time_round(model, args, prompt, rounds: int, spec: str = "nextn"):
 
 def bench_model(model, args, prompt, say, measured):
     """Decode-step and speculative-round timings of one model variant, per --rounds-per-call and --programs, each
-    handed to measured(kind, name, s/step, host s/step, kernels, idle host / call time) as soon as it is timed (a run cut short keeps
-    them) -> the censuses of the traced rounds by round kind."""
+    handed to measured(kind, name, s/step, host s/step, kernels, idle host / call time) as soon as it is timed (a
+    run cut short keeps them) -> the censuses of the traced rounds by round kind."""
     censuses = {}
     if "decode" in args.programs:
         for steps in args.rounds_per_call:
@@ -289,7 +289,8 @@ def bench_tp(tp: int, weights: str, args, say) -> tuple[list, dict]:
         def measured(kind, name, t, host, k, idle_share, model=model):
             rows.append((tp, weights, variant_name(model), name, t, host, idle_share, k, bytes_of[kind]))
             say(f"tp={tp} {variant_name(model)}: {name}: {t * 1e6:.0f} µs/step, host dispatch {host * 1e6:.0f} "
-                f"µs/step (idle device: {idle_share:.0%} of the call), {k} kernels, {bytes_of[kind] / 1e6:.0f} MB read per device, floor at the start's "
+                f"µs/step (idle device: {idle_share:.0%} of the call), {k} kernels, {bytes_of[kind] / 1e6:.0f} MB "
+                f"read per device, floor at the start's "
                 f"bandwidth {bytes_of[kind] / args.bandwidth * 1e6:.0f} µs")
 
         model_censuses = bench_model(model, args, prompt, say, measured)

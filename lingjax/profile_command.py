@@ -22,17 +22,19 @@ from pathlib import Path
 
 from lingjax import cli
 
-PROGRAMS = ("decode", "nextn", "dspark")
+PROGRAMS = ("decode", "nextn", "dspark", "prefill")  # lingjax.steady.PROGRAMS (not imported: no jax before a command)
 
 
 def _add_common(p: argparse.ArgumentParser, *, pairs: bool) -> None:
     cli._add_model_args(p)
     p.add_argument("--program", choices=PROGRAMS, default="decode",
-                   help="decode: the T=1 step; nextn: a NEXTN (MTP chain) round; dspark: a DSpark round")
+                   help="decode: the T=1 step; nextn: a NEXTN (MTP chain) round; dspark: a DSpark round; prefill: "
+                        "one prompt chunk of --prompt-len tokens")
     p.add_argument("--steps", type=int, default=None,
                    help="drafts per round (nextn: default 5; dspark: the drafter's block size)")
     p.add_argument("--n", type=int, default=10, help="steady-state steps timed and traced")
-    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (random ids) before the steps")
+    p.add_argument("--prompt-len", type=int, default=32,
+                   help="prompt tokens (random ids) before the steps; --program prefill: the chunk's tokens")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
     p.add_argument("--router-precision", choices=["f32", "bf16"], default="f32", help="MoE gate GEMV operands")
@@ -74,7 +76,12 @@ def _check(args, name: str, cfg) -> None:
         raise cli.UsageError(f"--n {args.n}: at least one step")
     if args.prompt_len < 1:
         raise cli.UsageError(f"--prompt-len {args.prompt_len}: at least one token")
-    if args.program == "decode" and args.steps is not None:
+    from lingjax.requests import PREFILL_CHUNK
+
+    if args.program == "prefill" and args.prompt_len > PREFILL_CHUNK:
+        raise cli.UsageError(f"--program prefill --prompt-len {args.prompt_len}: one chunk holds at most "
+                             f"{PREFILL_CHUNK} tokens (the engine prefills a longer prompt chunk by chunk)")
+    if args.program in ("decode", "prefill") and args.steps is not None:
         raise cli.UsageError("--steps counts a round's drafts: it needs --program nextn or dspark")
     if args.steps is not None and args.steps < 1:
         raise cli.UsageError(f"--steps {args.steps}: at least one draft")

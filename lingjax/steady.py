@@ -2,8 +2,9 @@
 
 A program here is the plain decode step (T=1), a NEXTN round (the MTP chain's S drafts, verify S+1) or a
 DSpark round (the drafter's block, verify block+1), each run after a prompt's prefill exactly as the engine
-runs it (lingjax.engine, lingjax.spec.step). `Steady` holds the three things a measurement needs: a fresh
-state, one call, and the call's optimised HLO (for the census's named scopes, lingjax.profiling).
+runs it (lingjax.engine, lingjax.spec.step); or one prefill chunk (the prompt, padded as the engine pads a chunk),
+each call prefilling it again at position 0 into the same cache. `Steady` holds the three things a measurement
+needs: a fresh state, one call, and the call's optimised HLO (for the census's named scopes, lingjax.profiling).
 
     steady = steady_program(model, "decode", prompt)
     launch = steady.launcher(20)          # a fresh state with room for 20 calls
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PROGRAMS = ("decode", "nextn", "dspark")
+PROGRAMS = ("decode", "nextn", "dspark", "prefill")
 
 
 @dataclasses.dataclass
@@ -54,7 +55,8 @@ class Steady:
 
 
 def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = None, per_call: int = 1) -> Steady:
-    """The steady state of `program` (PROGRAMS) on `model` after `prompt` (int32 [P]), greedy. steps: drafts per
+    """The steady state of `program` (PROGRAMS) on `model` after `prompt` (int32 [P]; prefill: the chunk), greedy.
+    steps: drafts per
     round (nextn: default 5 as lingjax.requests; dspark: the drafter's block size). per_call: steps (decode) or
     rounds run in one device call (a lax.scan: rounds_per_call); a call then outputs per_call steps' results. The
     cache has room for 6 tokens a step of n calls (what bench/step_bench has always timed: an MLA step reads its
@@ -80,6 +82,24 @@ def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = 
             return decode.lower(model.weights, state[1], state[0], state[2], key).compile().as_text()
 
         return Steady("decode T=1" + (f", {per_call} per call" if per_call > 1 else ""), prepare, call, lower)
+    if program == "prefill":
+        prefill, _ = model.step_programs(sampling)
+        chunk = np.zeros(engine.prefill_bucket(prompt.size), np.int32)
+        chunk[: prompt.size] = prompt
+
+        def prepare(n):
+            del n  # every call writes the same positions
+            return model.new_cache(chunk.size), *model.put((chunk, np.int32(0), np.int32(prompt.size)))
+
+        def call(state):
+            cache, tokens, start, n_valid = state
+            token, cache = prefill(model.weights, cache, tokens, start, n_valid, key)
+            return (cache, tokens, start, n_valid), token
+
+        def lower(state):
+            return prefill.lower(model.weights, *state, key).compile().as_text()
+
+        return Steady(f"prefill chunk T={chunk.size}", prepare, call, lower)
     if program not in PROGRAMS:
         raise ValueError(f"unknown program {program!r} (one of {', '.join(PROGRAMS)})")
     drafter = engine.make_drafter(model, program, steps)

@@ -23,6 +23,8 @@ def _error(capsys, argv) -> str:
 
 @pytest.mark.parametrize("argv, message", [
     (["profile", "--steps", "3"], "needs --program nextn or dspark"),
+    (["profile", "--program", "prefill", "--steps", "3"], "needs --program nextn or dspark"),
+    (["profile", "--program", "prefill", "--prompt-len", "4096"], "one chunk holds at most 2048 tokens"),
     (["profile", "--n", "0"], "--n 0: at least one step"),
     (["profile", "--program", "nextn", "--steps", "0"], "--steps 0: at least one draft"),
     (["profile", "--prompt-len", "0"], "--prompt-len 0"),
@@ -143,6 +145,17 @@ def test_profile_the_shipped_decode_on_the_cpu(tmp_path, capsys):
     assert census.by_category_us["all-reduce"] == 0 and census.by_category_us["dense GEMM"] > 0
     assert census.by_category_us["MoE experts"] > 0 and census.by_category_us["KDA"] > 0
     assert (out / "census.md").read_text().count("| MLA attention |") == 1
+
+
+def test_profile_a_prefill_chunk_on_the_cpu(capsys):
+    """--program prefill: one chunk, padded as the engine pads it (40 tokens -> 64), its census; every program the
+    command offers is one lingjax.steady runs."""
+    from lingjax import steady
+
+    assert set(profile_command.PROGRAMS) == set(steady.PROGRAMS)
+    assert cli.main(["profile", "--program", "prefill", "--prompt-len", "40", "--n", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "program prefill chunk T=64" in printed and "| KDA | " in printed
 
 
 def test_compare_dense_and_fp8_weights_in_one_command(tmp_path, capsys):
