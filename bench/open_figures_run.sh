@@ -8,8 +8,8 @@
 #   part small: (fits an H100) Pallas linear reading layer-stacked weights in place (bench/stacked_bench.py); the HTTP
 #               server against in-process generation (issue 50); the host's dispatch per argument array; mid at 1
 #               and 4 rounds per call with the idle host's share (issue 48); mid's census, bf16 against fp8 (issue 49).
-#   part flash: (needs an H200) full Flash fp8 (issue 48): decode and NEXTN round at 1 and 4 rounds per call, each
-#               program's census, then the DSpark round.
+#   part flash: (needs an H200) full Flash fp8: decode and NEXTN round at 1 and 4 rounds per call (issue 48), the
+#               decode's census, a 2048-token prefill chunk's census (issue 51), the DSpark round, the round's census.
 set -u
 PART=${1:?part guard, small or flash}
 BASE=${BASE:-.dev/base}
@@ -42,13 +42,13 @@ elif [[ $PART == flash ]]; then
         --programs decode nextn --steps 3 --rounds-per-call 1 4 --n 16 --out "$OUT/step_flash.md"
     step prof_flash_decode 100 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
         --program decode --n 10
-    step prof_flash_nextn 130 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
-        --program nextn --steps 3 --n 10
     step prof_flash_prefill 100 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
         --program prefill --prompt-len 2048 --n 3
-    for f in prof_flash_decode prof_flash_nextn prof_flash_prefill; do cp "$LOGDIR/$f.log" "$OUT/" 2>/dev/null; done
     step step_flash_dspark 200 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
         --programs dspark --dspark --markov-topk 64 --n 16 --out "$OUT/step_flash_dspark.md"
+    step prof_flash_nextn 130 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
+        --program nextn --steps 3 --n 10
+    for f in prof_flash_decode prof_flash_prefill prof_flash_nextn; do cp "$LOGDIR/$f.log" "$OUT/" 2>/dev/null; done
 fi
 grep -h "compiled in" "$LOGDIR"/*.log >>"$OUT/steps.md" 2>/dev/null
 for f in "$LOGDIR"/*.log; do
