@@ -42,10 +42,10 @@ elif [[ $PART == flash ]]; then
         --programs decode nextn --steps 3 --rounds-per-call 1 4 --n 16 --out "$OUT/step_flash.md"
     step prof_flash_decode 100 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
         --program decode --n 10
-    step prof_flash_prefill 100 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
-        --program prefill --prompt-len 2048 --n 3
     step step_flash_dspark 200 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
         --programs dspark --dspark --markov-topk 64 --n 16 --out "$OUT/step_flash_dspark.md"
+    step prof_flash_prefill 100 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
+        --program prefill --prompt-len 2048 --n 3
     step prof_flash_nextn 130 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
         --program nextn --steps 3 --n 10
     for f in prof_flash_decode prof_flash_prefill prof_flash_nextn; do cp "$LOGDIR/$f.log" "$OUT/" 2>/dev/null; done
