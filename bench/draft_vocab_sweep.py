@@ -75,6 +75,7 @@ def points(args) -> list[tuple[str, int, str]]:
 def accept_lengths(args) -> tuple[dict, str]:
     """(spec, S, vocab) -> (mean accept length, lossless prompts, prompts); and the prompts' description."""
     import embedded_bench
+    import jax
 
     import lingjax
     from lingjax import loading
@@ -93,7 +94,10 @@ def accept_lengths(args) -> tuple[dict, str]:
         runs = [lingjax.generate(models[v], ids, args.new_tokens, **kw) for ids in prompts["ids"]]
         out[spec, s, v] = (statistics.fmean(r.mean_accept_len for r in runs),
                            sum(r.tokens == p for r, p in zip(runs, plain)), len(runs))
-        progress(f"accept {spec} S={s} vocab {v}: {out[spec, s, v][0]:.2f}")
+        progress(f"accept {spec} S={s} vocab {v}: {out[spec, s, v][0]:.2f}, lossless {out[spec, s, v][1]}/{len(runs)}")
+        # each point compiles programs of its own: free them, or a long CPU sweep runs out of memory mappings for
+        # XLA's JIT code ("LLVM ERROR: Unable to allocate section memory")
+        jax.clear_caches()
     desc = (f"{len(prompts['ids'])} held-out prompts of 256 tokens, {args.new_tokens} greedy tokens each, "
             f"bfloat16, the shipped pair ({DEFAULT_CHECKPOINT.name}, its drafter's block "
             f"{model.draft.cfg.block_size})")

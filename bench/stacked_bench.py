@@ -2,9 +2,12 @@
 `linear` launches, one per layer, with the weights passed three ways:
 - separate: L arrays, one per layer (the engine today: an argument array per weight);
 - stacked, in place: one [L, N, K] array, each launch reading its layer through `linear(..., layer=i)`;
-- stacked, sliced: the same array sliced per layer before the launch (XLA copies each slice: the trap).
-For each: the device time per call (calls back to back, one block at the end, median of batches), the host's time
-to dispatch one call onto an idle device, and the launches in the optimised HLO; plain and fp8 weights.
+- stacked, sliced: the same array sliced per layer before the launch (XLA copies each slice: the trap);
+- stacked, scanned: one launch site in a loop over the layers (lax.scan), its counter the layer index: one layer
+  compiled once, whatever L (issue 51's compile time).
+For each: the compile time, the device time per call (calls back to back, one block at the end, median of
+batches), the host's time to dispatch one call onto an idle device, and the launches in the optimised HLO; plain
+and fp8 weights.
 
     python bench/stacked_bench.py --layers 35 --dim 2560 --out stacked.md
     python bench/stacked_bench.py --layers 3 --dim 256 --n 2      # a CPU check (interpret mode)
@@ -29,6 +32,8 @@ def chain(mode: str, layers: int):
     """-> fn(weights, x) -> x after `layers` launches of x <- linear(x, w_i) (x [16, D] bf16)."""
 
     def fn(weights, x):
+        if mode == "scanned":
+            return jax.lax.scan(lambda x, i: (linear(x, weights, layer_index=i), None), x, jnp.arange(layers))[0]
         for i in range(layers):
             if mode == "separate":
                 w, at = weights[i], None
@@ -81,7 +86,7 @@ def main(argv=None):
     say = Report(args.out)
     heading(say, f"Stacked weights read in place: {args.layers} Pallas linear launches of [16, {args.dim}] x "
                  f"[{args.dim}, {args.dim}]")
-    say.table("weights", "passed as", "argument arrays", "µs/call", "µs/launch", "idle host µs/call",
+    say.table("weights", "passed as", "argument arrays", "compile s", "µs/call", "µs/launch", "idle host µs/call",
               "launches in HLO", "max |Δ| against separate")
     x0 = (jax.random.normal(jax.random.key(1), (16, args.dim), F32)).astype(BF16)
     for kind in args.weights:
@@ -90,16 +95,18 @@ def main(argv=None):
         if kind == "fp8":
             stack = quantize_on_device(stack.astype(F32), (128, 128))
         outs = {}
-        for mode in ("separate", "in place", "sliced"):
+        for mode in ("separate", "in place", "sliced", "scanned"):
             fn = chain(mode, args.layers)
             weights = weights_for(mode, stack)
             arrays = len(jax.tree.leaves(weights)) + 1
+            began = time.perf_counter()
             hlo = fn.lower(weights, x0).compile().as_text()
+            compile_s = time.perf_counter() - began
             outs[mode] = fn(weights, jnp.array(x0))
             t, idle = timed(fn, weights, x0, args.n)
             diff = float(jnp.max(jnp.abs(outs[mode].astype(F32) - outs["separate"].astype(F32))))
-            say.row(kind, mode, arrays, f"{t * 1e6:.0f}", f"{t * 1e6 / args.layers:.2f}", f"{idle * 1e6:.0f}",
-                    launch_summary(hlo), f"{diff:.3g}")
+            say.row(kind, mode, arrays, f"{compile_s:.1f}", f"{t * 1e6:.0f}", f"{t * 1e6 / args.layers:.2f}",
+                    f"{idle * 1e6:.0f}", launch_summary(hlo), f"{diff:.3g}")
         del stack
     say()
     say("µs/launch: the call's device-paced time over its launches. A stacked weight read in place should cost what "

@@ -129,8 +129,9 @@ def test_flash_projections_are_supported_and_lower_for_an_h200(tp, monkeypatch):
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
 def test_linear_reads_a_stacked_weight_in_place(fp8):
-    """layer=j on a stack [L, N, K] gives what the kernel gives on w[j], bit for bit (the same programs read the
-    same values), plain and fp8 (the scales' stack read at the same index); a layer outside the stack is refused."""
+    """layer=j (static) or layer_index=j (traced, in a scan) on a stack [L, N, K] gives what the kernel gives on
+    w[j], bit for bit (the same programs read the same values), plain and fp8 (the scales' stack read at the same
+    index); a static layer outside the stack is refused."""
     from lingjax.ops.fp8 import quantize_on_device
 
     kx, kw = jax.random.split(key_for("pallas_linear_stacked", fp8))
@@ -138,10 +139,17 @@ def test_linear_reads_a_stacked_weight_in_place(fp8):
     w = (jax.random.normal(kw, (3, 256, 512), F32) * 512**-0.5).astype(BF16)
     if fp8:
         w = quantize_on_device(w.astype(F32), (128, 128))
+    tuning = LinearTuning(k_splits=2)
     for layer in range(3):
-        got = pallas_linear(x, w, F32, tuning=LinearTuning(k_splits=2), interpret=True, layer=layer)
-        want = pallas_linear(x, w[layer], F32, tuning=LinearTuning(k_splits=2), interpret=True)
+        got = pallas_linear(x, w, F32, tuning=tuning, interpret=True, layer=layer)
+        want = pallas_linear(x, w[layer], F32, tuning=tuning, interpret=True)
         assert np.isfinite(np.asarray(got)).all()
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # a traced index (a scan over the layers): the same values, layer by layer
+    _, scanned = jax.lax.scan(lambda c, i: (c, pallas_linear(x, w, F32, tuning=tuning, interpret=True,
+                                                              layer_index=i)), 0, jnp.arange(3))
+    for layer in range(3):
+        want = pallas_linear(x, w[layer], F32, tuning=tuning, interpret=True)
+        np.testing.assert_array_equal(np.asarray(scanned[layer]), np.asarray(want))
     with pytest.raises(ValueError, match="layer 3"):
         pallas_linear(x, w, interpret=True, layer=3)

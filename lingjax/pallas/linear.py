@@ -139,11 +139,17 @@ def supports(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = Linear
     return None
 
 
-def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row, tokens, scaled, partial, layer):
+def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row, tokens, scaled, partial, layer,
+            indexed):
     # x_ref [ROWS, K] (one_token: [≥ 1, K], its row 0 alone read); w_ref [N, K], plain or fp8; scaled: s_ref
-    # [N / gn, K / gk] f32 first; y_ref [splits, ROWS, N] f32 (partial) or [ROWS, N] in the output's dtype.
-    # x_row: lingjax.pallas.x_row_mode at T = 1. layer: w_ref (and s_ref) are stacks [L, ...], read at this index.
-    s_ref, y_ref = refs if scaled else (None, refs[0])
+    # [N / gn, K / gk] f32 first; indexed: i_ref int32 [1] next; y_ref [splits, ROWS, N] f32 (partial) or [ROWS, N]
+    # in the output's dtype. x_row: lingjax.pallas.x_row_mode at T = 1. layer (static) or i_ref's value (indexed):
+    # w_ref (and s_ref) are stacks [L, ...], read at that index.
+    refs = list(refs)
+    s_ref = refs.pop(0) if scaled else None
+    if indexed:
+        layer = refs.pop(0)[0]
+    (y_ref,) = refs
     if layer is not None:
         w_ref = w_ref.at[layer]
         s_ref = s_ref.at[layer] if scaled else None
@@ -177,19 +183,22 @@ def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row,
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tokens", "tuning", "interpret", "layer"))
 def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTuning(), interpret=None,
-           layer: int | None = None):
+           layer: int | None = None, layer_index=None):
     """x [..., K] (at most ROWS rows), w [N, K] (an array, or an Fp8Array read as fp8) -> [..., N] in out_dtype
     (default x's dtype), from f32 sums rounded once: lingjax.ops.linear.linear (for an fp8 weight without rounding
     the dequantized weight). tokens: the rows that are real (default all): the rows past them come out zero; at
     tokens = 1 the kernel reads x's row 0 alone (the module docstring says how) into the dot's ROWS rows (the same
-    dot, so row 0 rounds as in a verify). layer: w is a stack of weights [L, N, K] (an fp8 one with its scales
-    [L, ...]) and the kernel reads w[layer] in place, where slicing it first would copy it. Shapes it lowers for:
-    supports."""
+    dot, so row 0 rounds as in a verify). layer (a Python int) or layer_index (an int32 scalar, e.g. a loop's
+    counter): w is a stack of weights [L, N, K] (an fp8 one with its scales [L, ...]) and the kernel reads that
+    layer's weight in place, where slicing it first would copy it (a layer_index outside [0, L) reads out of
+    bounds: the caller's loop keeps it inside). Shapes it lowers for: supports."""
     interpret = resolve_interpret(interpret)
     lead, k = x.shape[:-1], x.shape[-1]
-    stacked = 3 if layer is not None else 2
+    if layer is not None and layer_index is not None:
+        raise ValueError("give layer (static) or layer_index (traced), not both")
+    stacked = 3 if layer is not None or layer_index is not None else 2
     if len(w.shape) != stacked or w.shape[-1] != k or (layer is not None and not 0 <= layer < w.shape[0]):
-        want = f"a stack of weights [L, N, {k}] and a layer in [0, L)" if layer is not None else f"a weight [N, {k}]"
+        want = f"a stack of weights [L, N, {k}] and a layer in [0, L)" if stacked == 3 else f"a weight [N, {k}]"
         raise ValueError(f"linear takes x [..., {k}] and {want}, got weight {list(w.shape)}"
                          + (f", layer {layer}" if layer is not None else ""))
     n, _, itemsize, block = _weight_layout(w)
@@ -208,12 +217,14 @@ def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTu
     partial = splits > 1
     out_shape = (splits, ROWS, n) if partial else (ROWS, n)
     operands = (flat, w.q, w.scale) if block is not None else (flat, w)
+    if layer_index is not None:
+        operands += (jnp.asarray(layer_index, jnp.int32).reshape(1),)
     params = None if interpret else pltriton.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages)
     y = pallas_call(
         functools.partial(_kernel, bn=bn, bk=bk, sub=sub, gn=block[0] if block else bn, gk=block[1] if block else bk,
                           k_split=k // splits,
                           one_token=one_token, x_row=x_row, tokens=real, scaled=block is not None, partial=partial,
-                          layer=layer),
+                          layer=layer, indexed=layer_index is not None),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if partial else out_dtype),
         grid=(n // bn, splits),
         compiler_params=params,
