@@ -1,7 +1,7 @@
 """Layer-stacked weights read in place (issue 48's structural fix for the host's dispatch): a chain of L Pallas
 `linear` launches, one per layer, with the weights passed three ways:
 - separate: L arrays, one per layer (the engine today: an argument array per weight);
-- stacked, in place: one [L, N, K] array, each launch reading its layer through `linear(..., layer=i)`;
+- stacked, in place: one [L, N, K] array, each launch reading its layer through lingjax.stacked.layer_of;
 - stacked, sliced: the same array sliced per layer before the launch (XLA copies each slice: the trap);
 - stacked, scanned: one launch site in a loop over the layers (lax.scan), its counter the layer index: one layer
   compiled once, whatever L (issue 51's compile time).
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from common import Report, add_options, heading, launch_summary, parser
 from lingjax.ops.fp8 import quantize_on_device
 from lingjax.pallas.linear import linear
+from lingjax.stacked import layer_of
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -33,15 +34,15 @@ def chain(mode: str, layers: int):
 
     def fn(weights, x):
         if mode == "scanned":
-            return jax.lax.scan(lambda x, i: (linear(x, weights, layer_index=i), None), x, jnp.arange(layers))[0]
+            return jax.lax.scan(lambda x, i: (linear(x, layer_of(weights, i)), None), x, jnp.arange(layers))[0]
         for i in range(layers):
             if mode == "separate":
-                w, at = weights[i], None
+                w = weights[i]
             elif mode == "in place":
-                w, at = weights, i
+                w = layer_of(weights, i)
             else:
-                w, at = weights[i], None  # a slice of the stack: XLA copies it for the custom call
-            x = linear(x, w, layer=at)
+                w = weights[i]  # a slice of the stack: XLA copies it for the custom call
+            x = linear(x, w)
         return x
 
     return jax.jit(fn, donate_argnums=(1,))

@@ -3,6 +3,7 @@ on fresh random inputs, its launch as a function of the shape alone, and its low
 projection of Flash's decode and verify."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -127,12 +128,25 @@ def test_flash_projections_are_supported_and_lower_for_an_h200(tp, monkeypatch):
             jax.jit(fn).trace(x, w).lower(lowering_platforms=("cuda",))
 
 
+def _pallas_inputs(jaxpr) -> list[tuple[int, ...]]:
+    """The input shapes of every pallas_call in a jaxpr, nested jaxprs included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            shapes += [tuple(v.aval.shape) for v in eqn.invars]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            shapes += _pallas_inputs(sub)
+    return shapes
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
 def test_linear_reads_a_stacked_weight_in_place(fp8):
-    """layer=j (static) or layer_index=j (traced, in a scan) on a stack [L, N, K] gives what the kernel gives on
-    w[j], bit for bit (the same programs read the same values), plain and fp8 (the scales' stack read at the same
-    index); a static layer outside the stack is refused."""
+    """One layer of a stack [L, N, K] (lingjax.stacked.layer_of), at a static layer or a traced one (a scan over the
+    layers), gives what the kernel gives on the sliced weight, bit for bit (the same programs read the same values),
+    plain and fp8 (the scales' stack read at the same layer). The launch takes the whole stack: no slice in the
+    program."""
     from lingjax.ops.fp8 import quantize_on_device
+    from lingjax.stacked import LayerOf, layer_of, materialize
 
     kx, kw = jax.random.split(key_for("pallas_linear_stacked", fp8))
     x = jax.random.normal(kx, (VERIFY_ROWS, 512), F32).astype(BF16)
@@ -140,16 +154,19 @@ def test_linear_reads_a_stacked_weight_in_place(fp8):
     if fp8:
         w = quantize_on_device(w.astype(F32), (128, 128))
     tuning = LinearTuning(k_splits=2)
-    for layer in range(3):
-        got = pallas_linear(x, w, F32, tuning=tuning, interpret=True, layer=layer)
-        want = pallas_linear(x, w[layer], F32, tuning=tuning, interpret=True)
+    run = lambda w: pallas_linear(x, w, F32, tuning=tuning, interpret=True)  # noqa: E731
+    want = [run(w[j]) for j in range(3)]
+    for j in range(3):
+        got = run(layer_of(w, j))
         assert np.isfinite(np.asarray(got)).all()
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    # a traced index (a scan over the layers): the same values, layer by layer
-    _, scanned = jax.lax.scan(lambda c, i: (c, pallas_linear(x, w, F32, tuning=tuning, interpret=True,
-                                                              layer_index=i)), 0, jnp.arange(3))
-    for layer in range(3):
-        want = pallas_linear(x, w[layer], F32, tuning=tuning, interpret=True)
-        np.testing.assert_array_equal(np.asarray(scanned[layer]), np.asarray(want))
-    with pytest.raises(ValueError, match="layer 3"):
-        pallas_linear(x, w, interpret=True, layer=3)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want[j]))
+    _, scanned = jax.lax.scan(lambda c, j: (c, run(layer_of(w, j))), 0, jnp.arange(3))
+    for j in range(3):
+        np.testing.assert_array_equal(np.asarray(scanned[j]), np.asarray(want[j]))
+    launched = _pallas_inputs(jax.make_jaxpr(lambda w: run(layer_of(w, 1)))(w).jaxpr)
+    assert [tuple(plain_shape) for plain_shape in launched if len(plain_shape) == 3] == [(3, 256, 512)] + (
+        [(3, 2, 4)] if fp8 else [])  # the stacks go to the launch whole, not a slice of them
+    plain = w if not fp8 else w.q
+    np.testing.assert_array_equal(np.asarray(materialize(LayerOf(plain, 2))), np.asarray(plain[2]))
+    with pytest.raises(IndexError, match="layer 3 of a stack of 3"):
+        LayerOf(plain, 3)

@@ -12,6 +12,7 @@ from jax.experimental import pallas as pl
 
 from lingjax import target
 from lingjax.pallas import instrument
+from lingjax.stacked import unstack_operands
 
 _NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b [N, K]ᵀ
 
@@ -98,8 +99,31 @@ def dot_nt(a, b):
 
 def pallas_call(kernel, **kwargs):
     """pl.pallas_call, its kernel first waiting for the kernels it depends on (lingjax.pallas.grid_dependency:
-    safe under XLA's programmatic dependent launch). Every kernel of the package goes through here."""
-    return instrument.current().launch(kernel, **kwargs)
+    safe under XLA's programmatic dependent launch). Every kernel of the package goes through here.
+
+    An operand may be a lingjax.stacked.LayerOf (one layer of a stack of weights): the launch takes the whole stack
+    and the kernel gets its ref viewed at the layer, so no slice is copied (a traced layer travels as one more int32
+    input after the operands). The kernel body sees the layer's ref as if the layer had been passed alone."""
+
+    def call(*operands):
+        flat, static, traced = unstack_operands(operands)
+        if not static and not traced:
+            return instrument.current().launch(kernel, **kwargs)(*operands)
+        n_in = len(operands)
+
+        def at_layers(*refs, **kw):
+            refs = list(refs)
+            index = refs.pop(n_in) if traced else None  # the traced layers' ref sits right after the operands
+            for j, (pos, _) in enumerate(traced):
+                refs[pos] = refs[pos].at[index[j]]
+            for pos, layer in static.items():
+                refs[pos] = refs[pos].at[layer]
+            return kernel(*refs, **kw)
+
+        extra = (jnp.stack([jnp.asarray(layer, jnp.int32) for _, layer in traced]),) if traced else ()
+        return instrument.current().launch(at_layers, **kwargs)(*flat, *extra)
+
+    return call
 
 
 def selected(expert):

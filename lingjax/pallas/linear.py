@@ -139,20 +139,11 @@ def supports(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = Linear
     return None
 
 
-def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row, tokens, scaled, partial, layer,
-            indexed):
+def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row, tokens, scaled, partial):
     # x_ref [ROWS, K] (one_token: [≥ 1, K], its row 0 alone read); w_ref [N, K], plain or fp8; scaled: s_ref
-    # [N / gn, K / gk] f32 first; indexed: i_ref int32 [1] next; y_ref [splits, ROWS, N] f32 (partial) or [ROWS, N]
-    # in the output's dtype. x_row: lingjax.pallas.x_row_mode at T = 1. layer (static) or i_ref's value (indexed):
-    # w_ref (and s_ref) are stacks [L, ...], read at that index.
-    refs = list(refs)
-    s_ref = refs.pop(0) if scaled else None
-    if indexed:
-        layer = refs.pop(0)[0]
-    (y_ref,) = refs
-    if layer is not None:
-        w_ref = w_ref.at[layer]
-        s_ref = s_ref.at[layer] if scaled else None
+    # [N / gn, K / gk] f32 first; y_ref [splits, ROWS, N] f32 (partial) or [ROWS, N] in the output's dtype.
+    # x_row: lingjax.pallas.x_row_mode at T = 1.
+    s_ref, y_ref = refs if scaled else (None, refs[0])
     n, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(n * bn, bn)
     k0 = split * k_split
@@ -181,26 +172,18 @@ def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row,
         y_ref[:, cols] = acc.astype(y_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tokens", "tuning", "interpret", "layer"))
-def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTuning(), interpret=None,
-           layer: int | None = None, layer_index=None):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tokens", "tuning", "interpret"))
+def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTuning(), interpret=None):
     """x [..., K] (at most ROWS rows), w [N, K] (an array, or an Fp8Array read as fp8) -> [..., N] in out_dtype
     (default x's dtype), from f32 sums rounded once: lingjax.ops.linear.linear (for an fp8 weight without rounding
     the dequantized weight). tokens: the rows that are real (default all): the rows past them come out zero; at
     tokens = 1 the kernel reads x's row 0 alone (the module docstring says how) into the dot's ROWS rows (the same
-    dot, so row 0 rounds as in a verify). layer (a Python int) or layer_index (an int32 scalar, e.g. a loop's
-    counter): w is a stack of weights [L, N, K] (an fp8 one with its scales [L, ...]) and the kernel reads that
-    layer's weight in place, where slicing it first would copy it (a layer_index outside [0, L) reads out of
-    bounds: the caller's loop keeps it inside). Shapes it lowers for: supports."""
+    dot, so row 0 rounds as in a verify). w may be one layer of a stack (lingjax.stacked.LayerOf, or an Fp8Array
+    of two), read in place. Shapes it lowers for: supports."""
     interpret = resolve_interpret(interpret)
     lead, k = x.shape[:-1], x.shape[-1]
-    if layer is not None and layer_index is not None:
-        raise ValueError("give layer (static) or layer_index (traced), not both")
-    stacked = 3 if layer is not None or layer_index is not None else 2
-    if len(w.shape) != stacked or w.shape[-1] != k or (layer is not None and not 0 <= layer < w.shape[0]):
-        want = f"a stack of weights [L, N, {k}] and a layer in [0, L)" if stacked == 3 else f"a weight [N, {k}]"
-        raise ValueError(f"linear takes x [..., {k}] and {want}, got weight {list(w.shape)}"
-                         + (f", layer {layer}" if layer is not None else ""))
+    if len(w.shape) != 2 or w.shape[1] != k:
+        raise ValueError(f"linear takes x [..., {k}] and a weight [N, {k}], got weight {list(w.shape)}")
     n, _, itemsize, block = _weight_layout(w)
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
@@ -217,14 +200,11 @@ def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTu
     partial = splits > 1
     out_shape = (splits, ROWS, n) if partial else (ROWS, n)
     operands = (flat, w.q, w.scale) if block is not None else (flat, w)
-    if layer_index is not None:
-        operands += (jnp.asarray(layer_index, jnp.int32).reshape(1),)
     params = None if interpret else pltriton.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages)
     y = pallas_call(
         functools.partial(_kernel, bn=bn, bk=bk, sub=sub, gn=block[0] if block else bn, gk=block[1] if block else bk,
                           k_split=k // splits,
-                          one_token=one_token, x_row=x_row, tokens=real, scaled=block is not None, partial=partial,
-                          layer=layer, indexed=layer_index is not None),
+                          one_token=one_token, x_row=x_row, tokens=real, scaled=block is not None, partial=partial),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if partial else out_dtype),
         grid=(n // bn, splits),
         compiler_params=params,
