@@ -53,7 +53,7 @@ def test_help_imports_no_jax():
 
 def test_bad_flag_values_are_one_line(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["profile", "--program", "prefill"])
+        cli.main(["profile", "--program", "train"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--program" in err[0] and err[0].startswith("lingjax: error: ")
