@@ -3,7 +3,7 @@
     python bench/kda_bench.py --fla-child --ts 1 6 16 > fla.jsonl        # fla (PyTorch + Triton), its own process
     python bench/kda_bench.py --fla-json fla.jsonl --out kda.md
     python bench/kda_bench.py --parts prefill --budget 90 --out kda_prefill.md
-    python bench/kda_bench.py --smoke                                     # tiny preset, interpret mode: a CPU check
+    python bench/kda_bench.py --smoke                                     # tiny preset, one of each kind: a CPU check
 
 Shapes: one device's KDA layer of --model at --tp (Flash at TP1: 32 heads, K = V = 128, hidden 2560, 4 conv
 taps), bf16 activations, f32 state. Method (docs/measuring.md): --rotations distinct input sets per graph (64 by
@@ -389,9 +389,12 @@ def jax_main(args, shape: KDAShape, say) -> Bench:
     say()
     say.table("part", "T", "tuning", "µs", "floor µs", "x floor", "max rel. err", "build s")
     optional = []
+    # --smoke: one configuration of each kind (the default chain tuning, one prefill tuning of each list)
+    chains, core, more = ((CHAIN_TUNINGS[:1], PREFILL_CORE[:1], PREFILL_MORE[:1]) if args.smoke
+                          else (CHAIN_TUNINGS, PREFILL_CORE, PREFILL_MORE))
     if "chain" in args.parts:
         time_chain, xla_chain = chain_part(bench, harness)
-        sweep = [(label, fields, t) for label, fields in CHAIN_TUNINGS for t in args.ts]
+        sweep = [(label, fields, t) for label, fields in chains for t in args.ts]
         while sweep and not budget.spent(0.6):  # then the prefill gets its turn; the rest of the sweep follows
             budget.run(time_chain, *sweep.pop(0))
         optional += [functools.partial(xla_chain, args.ts[len(args.ts) // 2])]
@@ -400,9 +403,9 @@ def jax_main(args, shape: KDAShape, say) -> Bench:
         time_prefill, xla_prefill = prefill_part(bench)
         time_prefill({})
         budget.run(time_prefill, {}, True)
-        for fields in PREFILL_CORE:
+        for fields in core:
             time_prefill(fields)
-        optional += [functools.partial(time_prefill, fields) for fields in PREFILL_MORE] + [xla_prefill]
+        optional += [functools.partial(time_prefill, fields) for fields in more] + [xla_prefill]
     if "chain" in args.parts:
         optional += [functools.partial(xla_chain, t) for t in args.ts if t != args.ts[len(args.ts) // 2]]
     for i, task in enumerate(optional):

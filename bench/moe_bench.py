@@ -167,7 +167,7 @@ def correctness(run: Run) -> None:
     small = dataclasses.replace(shape, d=64, i=32, e=16, shared=32) if run.smoke else \
         dataclasses.replace(shape, d=256, i=128, e=32, shared=128)
     routing_s = dict(shape.routing, n_group=4, topk_group=2)
-    for t in sorted(set(run.ts + (16,))):
+    for t in run.ts:
         ks = jax.random.split(jax.random.key(100 + t), 4)
         p32 = jax.tree.map(lambda a: a.astype(F32), make_layer(ks[0], small))
         x = jax.random.normal(ks[1], (t, small.d), F32)
@@ -180,7 +180,7 @@ def correctness(run: Run) -> None:
         say(f"f32 small T={t}: router ids equal {bool((ge == re).all())}, weights {rel(gw, rw):.1e}, "
             f"experts {rel(got, ref):.1e} {run.check(ok, f'f32 T={t}')}")
     layer = make_layer(jax.random.key(0), shape)
-    for t in sorted(set(run.ts + (16,))):
+    for t in run.ts:
         x = jax.random.normal(jax.random.key(200 + t), (t, shape.d), F32).astype(BF16)
         with jax.default_matmul_precision("highest"):
             rw, re = moe_ops.route(x, layer["router"], layer["bias"], **shape.routing)
@@ -231,7 +231,7 @@ def routers(run: Run, layers, bw: float) -> dict:
     say.table("T", "tuning", "router µs", "router + align launch µs", "ids equal")
     glue = loop_over_layers(lambda x, p: x, run.n_iter * 4)
     glue_per_t, best = {}, {}
-    for t in (1, 6, 16):  # cheap: T = 16 (past the pair-axis align) in the smoke run too
+    for t in run.ts:
         xs = run.inputs(600, t)
         glue_s = glue_per_t[t] = median_seconds(glue, layers, xs, reps=run.reps) / (4 * run.n_iter * run.n_layers)
         for name, (fields, precision) in ROUTERS.items():
@@ -347,6 +347,7 @@ def main(argv=None):
         args.model = "tiny"
     cfg = config_of(args.model)
     shape = moe_shape(cfg, args.tp)
+    # --smoke: T = 1 (the one-token path) and T = 6 (the align's); the kernels at T = 16 are tests/test_pallas_moe.py's
     run = Run(shape, args.smoke, Report(args.out), n_layers=2 if args.smoke else 8,
               ts=(1, 6) if args.smoke else (1, 6, 16), n_iter=1 if args.smoke else 30, reps=1 if args.smoke else 7)
     routing = shape.routing

@@ -44,6 +44,9 @@ def _compilation_cache() -> tuple[str, bool]:
 _CACHE_DIR, _MADE_CACHE = _compilation_cache()
 os.environ["LINGJAX_NO_CACHE"] = "1"  # the CLI under test keeps this session's cache, not the user's
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+# every program, however fast it compiled (jax caches only those over a second by default): most of a test's
+# programs are small ones, built again by each Model (as lingjax.compilation_cache.enable does for the CLI)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def pytest_unconfigure(config):

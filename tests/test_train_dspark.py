@@ -12,6 +12,7 @@ import pytest
 import lingjax
 from conftest import key_for
 from lingjax.train import dspark as train_dspark
+from lingjax.train.command import SMOKE_PROMPT
 
 FLAGS = ["--steps", "3", "--batch", "2", "--seq-len", "32", "--anchors", "4", "--block-size", "4", "--layers", "1",
          "--markov-rank", "8", "--intermediate", "64", "--log-every", "1", "--mask-token-id", "7"]
@@ -55,9 +56,9 @@ def test_command_trains_resumes_and_exports(tmp_path, capsys):
     assert summary["step"] == 3 and np.isfinite(summary["held_out"]["loss"])
     model = lingjax.load(draft=export)
     assert model.draft.cfg.block_size == 4 and model.draft.cfg.mask_token_id == 7
-    assert (
-        lingjax.generate(model, "def f(x):", 6, spec="dspark").tokens == lingjax.generate(model, "def f(x):", 6).tokens
-    )
+    # the export's own check completion (its DSpark programs compiled once, in the command), against plain greedy
+    spec = lingjax.generate(model, SMOKE_PROMPT, 24, spec="dspark")
+    assert spec.tokens == lingjax.generate(model, SMOKE_PROMPT, 24).tokens
     code, _, err = _main(["--out", out, "--roots", f"stdlib={roots}", *FLAGS[:-2], "--mask-token-id", "8"], capsys)
     assert code == 2 and "another run" in err and "mask_token_id" in err
     # a new run starting from the exported drafter with longer blocks (its identity names the drafter), and one of
