@@ -3,12 +3,11 @@
 Why: a program's host cost grows with its argument arrays (one per weight and layer: over a thousand for Flash in
 fp8), and a weight sliced out of a stack before a kernel's launch is copied first. `LayerOf(stack, layer)` stands
 for stack[layer] without slicing it: it has the layer's shape and dtype, passes through jit as a pytree, and
-lingjax.pallas.pallas_call hands the kernel the whole stack's ref viewed at that layer. `layer` is a Python int (an
-unrolled loop over the layers) or an int32 scalar (a scan's counter: one layer compiled once, whatever the depth).
-Not on the GPU yet: Pallas's Triton lowering refuses a kernel's indexing of the `.at[layer]` view ("multiple
-indexers"); interpret mode takes it. An fp8 weight of a stack is an Fp8Array of two LayerOfs (its values' and its
-scales' stacks). XLA code that needs the values takes `materialize(w)`, which slices (and so copies where XLA cannot
-fuse the slice).
+lingjax.pallas.pallas_call hands the kernel the whole stack's ref read at that layer (lingjax.pallas.LayerRef).
+`layer` is a Python int (an unrolled loop over the layers) or an int32 scalar (a scan's counter: one layer compiled
+once, whatever the depth). An fp8 weight of a stack is an Fp8Array of two LayerOfs (its values' and its scales'
+stacks). XLA code that needs the values takes `materialize(w)`, which slices (and so copies where XLA cannot fuse
+the slice).
 """
 
 from __future__ import annotations

@@ -170,3 +170,22 @@ def test_linear_reads_a_stacked_weight_in_place(fp8):
     np.testing.assert_array_equal(np.asarray(materialize(LayerOf(plain, 2))), np.asarray(plain[2]))
     with pytest.raises(IndexError, match="layer 3 of a stack of 3"):
         LayerOf(plain, 3)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_a_stacked_weight_lowers_for_an_h200(fp8, monkeypatch):
+    """One layer of a stack, static and traced (a scan), lowers to Triton IR for an H200: the kernel's reads of a
+    LayerRef are one indexer each (the lowering refuses an indexer on an `.at[layer]` view)."""
+    from lingjax.ops.fp8 import Fp8Array
+    from lingjax.stacked import layer_of
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
+    x = S((VERIFY_ROWS, 2560), BF16)
+    w = (Fp8Array(S((4, 2560, 2560), jnp.float8_e4m3fn), S((4, 20, 20), F32)) if fp8
+         else S((4, 2560, 2560), BF16))
+    static = lambda x, w: pallas_linear(x, layer_of(w, 2), tokens=1, interpret=False)  # noqa: E731
+    jax.jit(static).trace(x, w).lower(lowering_platforms=("cuda",))
+    scanned = lambda x, w: jax.lax.scan(  # noqa: E731
+        lambda x, i: (pallas_linear(x, layer_of(w, i), interpret=False), None), x, jnp.arange(4))[0]
+    jax.jit(scanned).trace(x, w).lower(lowering_platforms=("cuda",))

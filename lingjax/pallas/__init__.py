@@ -97,13 +97,38 @@ def dot_nt(a, b):
     return jax.lax.dot_general(a, b, _NT, precision=prec, preferred_element_type=jnp.float32)
 
 
+class LayerRef:
+    """A stack's ref [L, ...] read at one layer inside a kernel: ref[i] is stack_ref[(layer, *i)], one indexer (the
+    Triton lowering refuses an indexer on an `.at[layer]` view). Shape and dtype are the layer's."""
+
+    def __init__(self, ref, layer):
+        self.ref, self.layer = ref, layer
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.ref.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.ref.dtype
+
+    def _at(self, index) -> tuple:
+        return (self.layer, *(index if isinstance(index, tuple) else (index,)))
+
+    def __getitem__(self, index):
+        return self.ref[self._at(index)]
+
+    def __setitem__(self, index, value):
+        self.ref[self._at(index)] = value
+
+
 def pallas_call(kernel, **kwargs):
     """pl.pallas_call, its kernel first waiting for the kernels it depends on (lingjax.pallas.grid_dependency:
     safe under XLA's programmatic dependent launch). Every kernel of the package goes through here.
 
     An operand may be a lingjax.stacked.LayerOf (one layer of a stack of weights): the launch takes the whole stack
-    and the kernel gets its ref viewed at the layer, so no slice is copied (a traced layer travels as one more int32
-    input after the operands). The kernel body sees the layer's ref as if the layer had been passed alone."""
+    and the kernel gets a LayerRef of it, so no slice is copied (a traced layer travels as one more int32 input after
+    the operands). The kernel body reads it as if the layer had been passed alone."""
 
     def call(*operands):
         flat, static, traced = unstack_operands(operands)
@@ -115,9 +140,9 @@ def pallas_call(kernel, **kwargs):
             refs = list(refs)
             index = refs.pop(n_in) if traced else None  # the traced layers' ref sits right after the operands
             for j, (pos, _) in enumerate(traced):
-                refs[pos] = refs[pos].at[index[j]]
+                refs[pos] = LayerRef(refs[pos], index[j])
             for pos, layer in static.items():
-                refs[pos] = refs[pos].at[layer]
+                refs[pos] = LayerRef(refs[pos], layer)
             return kernel(*refs, **kw)
 
         extra = (jnp.stack([jnp.asarray(layer, jnp.int32) for _, layer in traced]),) if traced else ()
