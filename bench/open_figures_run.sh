@@ -29,13 +29,12 @@ if [[ $PART == guard ]]; then
 elif [[ $PART == small ]]; then
     step serve_http 150 python bench/serve_overhead.py --spec none nextn dspark --prompt-len 512 --output-len 256 \
         --requests 8 --log-dir "$LOGDIR" --out "$OUT/serve_overhead.md"
-    step prof_fp8 120 python -m lingjax.cli profile compare --model mid --kernels pallas pallas --weights dense fp8 \
+    step prof_fp8 120 python -m lingjax.cli profile compare --model mid --weights dense fp8 \
         --n 10 --out "$LOGDIR/prof_fp8"
     cp "$LOGDIR/prof_fp8.log" "$OUT/"
     step stacked 60 python bench/stacked_bench.py --layers 35 --dim 2560 --out "$OUT/stacked.md"
     step step_mid_rpc 120 python bench/step_bench.py --model mid --kernels pallas --programs decode nextn \
         --rounds-per-call 1 4 --n 16 --out "$OUT/step_mid_rpc.md"
-    step launch 70 python bench/launch_bench.py --tp 1 --layers 64 512 --repeat 1 --n 20 --out "$OUT/launch.md"
 elif [[ $PART == flash ]]; then
     export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97  # full Flash fp8 holds ~128 GB
     step step_flash 260 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
