@@ -5,9 +5,9 @@
 #   part guard: issue 45's regression guard on the current tree (mid decode and NEXTN round against BASE, two pairs
 #               of fresh processes); the HTTP server against in-process generation with the shipped pair (issue 50);
 #               mid's census, XLA against Pallas kernels (issue 49).
-#   part small: (fits an H100) Pallas linear reading layer-stacked weights in place (bench/stacked_bench.py); the HTTP
-#               server against in-process generation (issue 50); the host's dispatch per argument array; mid at 1
-#               and 4 rounds per call with the idle host's share (issue 48); mid's census, bf16 against fp8 (issue 49).
+#   part small: (fits an H100) the HTTP server against in-process generation (issue 50); mid's census, bf16 against
+#               fp8 (issue 49); the Pallas linear on layer-stacked weights (bench/stacked_bench.py); mid at 1 and 4
+#               rounds per call with the idle host's share (issue 48).
 #   part flash: (needs an H200) full Flash fp8: decode and NEXTN round at 1 and 4 rounds per call (issue 48), the
 #               decode's census, a 2048-token prefill chunk's census (issue 51), the DSpark round, the round's census.
 set -u
