@@ -1,14 +1,37 @@
 """serve_bench's --url mode: the same requests sent to a running `lingjax serve` over HTTP, one after another,
 streamed; TTFT and TPOT measured at the client with the write-up's definitions (TPOT = (latency - TTFT) / (output
 tokens - 1), TPOT excludes TTFT; the output tokens are the server's usage count, since a speculative round brings
-several tokens in one chunk)."""
+several tokens in one chunk). Also what a client needs to start one: a free port, and waiting until it answers."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import time
 import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, process=None, timeout_s: float = 300.0) -> None:
+    """Polls GET url/health until it answers (or the process exits, or timeout_s passes: generous, never timing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            said = process.stderr.read() if process.stderr is not None else "(its stderr went to a file)"
+            raise RuntimeError(f"the server exited with status {process.returncode}:\n{said}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"the server at {url} did not answer in {timeout_s} s")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,12 +14,9 @@ at once: the server's process holds the GPU only while its requests run.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 
 # the two sides' processes share the GPU one after the other: neither may take its memory up front
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -31,12 +28,6 @@ import serve_http  # noqa: E402
 import lingjax  # noqa: E402
 from common import Report, heading  # noqa: E402
 from lingjax.config import PRESETS  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -59,7 +50,7 @@ def in_process(args, spec: str | None, batch: list[list[int]]) -> list[tuple[flo
 
 
 def over_http(args, spec: str | None, batch: list[list[int]]) -> list[tuple[float, float, float]]:
-    port = free_port()
+    port = serve_http.free_port()
     cmd = [sys.executable, "-m", "lingjax.cli", "serve", "--port", str(port), "--no-cache"]
     cmd += ["--model", args.model] if args.model in PRESETS else (["--checkpoint", args.model] if args.model else [])
     cmd += ["--spec", spec] if spec else []
@@ -68,18 +59,10 @@ def over_http(args, spec: str | None, batch: list[list[int]]) -> list[tuple[floa
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(f"{args.log_dir}/serve_{spec}.log", "w"),
                               env=os.environ.copy())
     try:
-        deadline = time.time() + args.start_timeout
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"`{' '.join(cmd)}` exited with {server.returncode} "
-                                   f"(see {args.log_dir}/serve_{spec}.log)")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).read()
-                break
-            except OSError as e:
-                if time.time() > deadline:
-                    raise RuntimeError(f"the server did not answer /health within {args.start_timeout} s") from e
-                time.sleep(0.5)
+        try:
+            serve_http.wait_ready(url, server, args.start_timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"`{' '.join(cmd)}`: {e} (its log: {args.log_dir}/serve_{spec}.log)") from None
         name = serve_http.served_model(url)
         out = []
         for i, prompt in enumerate(batch):

@@ -1,34 +1,15 @@
-"""Helpers of the server tests: a free port, a server (a subprocess, or the app in a thread of this process) and
-raw HTTP requests beside the openai client."""
+"""Helpers of the server tests: a free port and waiting for a server (bench/serve_http.py's), a server in a thread of
+this process, and raw HTTP requests beside the openai client."""
 
 import json
-import socket
+import sys
 import threading
-import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, process=None, timeout_s: float = 300.0) -> None:
-    """Polls GET url/health until it answers (or the process exits, or timeout_s passes: generous, never timing)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            said = process.stderr.read() if process.stderr is not None else "(its stderr went to a file)"
-            raise RuntimeError(f"the server exited with status {process.returncode}:\n{said}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"the server at {url} did not answer in {timeout_s} s")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from serve_http import free_port, wait_ready  # noqa: E402, F401  (the bench's client side, shared)
 
 
 def post(url: str, body: bytes | dict, timeout_s: float = 120.0) -> tuple[int, dict]:
