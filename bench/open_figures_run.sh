@@ -5,9 +5,10 @@
 #   part guard: issue 45's regression guard on the current tree (mid decode and NEXTN round against BASE, two pairs
 #               of fresh processes); the HTTP server against in-process generation with the shipped pair (issue 50);
 #               mid's census, XLA against Pallas kernels (issue 49).
-#   part small: (fits an H100) the HTTP server against in-process generation (issue 50); mid's census, bf16 against
-#               fp8 (issue 49); the Pallas linear on layer-stacked weights (bench/stacked_bench.py); mid at 1 and 4
-#               rounds per call with the idle host's share (issue 48).
+#   part small: (fits an H100) the idle host's time per call against the argument arrays: N separate, donated, or
+#               one stacked array (bench/dispatch_bench.py, issue 48); the HTTP server against in-process generation
+#               (issue 50); mid's census, bf16 against fp8 (issue 49); the Pallas linear on layer-stacked weights
+#               (bench/stacked_bench.py); mid at 1 and 4 rounds per call with the idle host's share (issue 48).
 #   part flash: (needs an H200) full Flash fp8: decode and NEXTN round at 1 and 4 rounds per call (issue 48), the
 #               decode's census, a 2048-token prefill chunk's census (issue 51), the DSpark round, the round's census.
 set -u
@@ -27,6 +28,7 @@ if [[ $PART == guard ]]; then
     step prof_kernels 130 python -m lingjax.cli profile compare --model mid --kernels xla pallas --n 10 --out "$LOGDIR/prof_kernels"
     cp "$LOGDIR/prof_kernels.log" "$OUT/"
 elif [[ $PART == small ]]; then
+    step dispatch 60 python bench/dispatch_bench.py --out "$OUT/dispatch.md"
     step serve_http 150 python bench/serve_overhead.py --spec none nextn dspark --prompt-len 512 --output-len 256 \
         --requests 8 --log-dir "$LOGDIR" --out "$OUT/serve_overhead.md"
     step prof_fp8 120 python -m lingjax.cli profile compare --model mid --weights dense fp8 \

@@ -22,6 +22,7 @@ TABLES = {
     "fp8_bench": "| variant | tuning (changed from the decode's tiles) | vs exact |",
     "linear_bench": "| projection | [N, K] | variant | launch |",
     "draft_vocab_sweep": "| spec | S (verify width) | draft vocab |",
+    "dispatch_bench": "| N | N arrays, read µs | N arrays donated, returned µs |",
 }
 
 
