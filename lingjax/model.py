@@ -479,7 +479,8 @@ def abstract_model(cfg: LingConfig, dtype=jnp.bfloat16, with_mtp: bool | None = 
 
 def fp8_layout(cfg: LingConfig, tp: int = 1, with_mtp: bool | None = None, scale_fmt: str = "float32") -> Fp8Layout:
     """The layout of a model quantized by lingjax (random fp8 weights, a bf16 checkpoint quantized as it loads):
-    every matrix lingjax.quantization.QUANTIZED_NAMES names, in the official 128 x 128 blocks, cut for tp."""
+    every matrix lingjax.quantization.QUANTIZED_NAMES names but those held dense (DENSE_ON_DEVICE), in the official
+    128 x 128 blocks, cut for tp."""
 
     state = nnx.state(abstract_model(cfg, with_mtp=with_mtp), nnx.Param)
     paths = [path_keys(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]

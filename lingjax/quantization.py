@@ -105,6 +105,19 @@ class Fp8Layout:
         return device_block(shape, self.block, tuple(self.tp if s is not None else 1 for s in sharded))
 
 
+# The matrices the model's ops read whole as plain arrays (KDA's beta projection inside its chain kernel, MLA's head
+# gate and kv_b_proj inside its attention): held in fp8, each would be dequantized in every step's graph, one launch
+# and a bf16 copy a layer, to save a few MB. They stay dense on the device; an fp8 checkpoint's are dequantized once,
+# as they load (the values the graph would have made). Writers still store them in fp8 (the official layout).
+DENSE_ON_DEVICE = frozenset({"b_proj", "g_proj", "kv_b_proj"})
+
+
+def held_in_fp8(path: tuple) -> bool:
+    """Whether a parameter stored or quantized in fp8 is kept in fp8 on the device (not DENSE_ON_DEVICE)."""
+    return path[-1] not in DENSE_ON_DEVICE
+
+
 def quantized_paths(param_paths) -> frozenset:
-    """The paths among `param_paths` a quantizer converts (QUANTIZED_NAMES)."""
-    return frozenset(tuple(p) for p in param_paths if p[-1] in QUANTIZED_NAMES)
+    """The paths among `param_paths` a quantizing load keeps in fp8 on the device: QUANTIZED_NAMES but
+    DENSE_ON_DEVICE."""
+    return frozenset(tuple(p) for p in param_paths if p[-1] in QUANTIZED_NAMES and held_in_fp8(tuple(p)))

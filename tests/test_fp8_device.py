@@ -43,10 +43,19 @@ def test_fp8_checkpoint_stays_fp8_and_equals_the_dequantized_model(fp8_dir):
     quantized = [k for k in stored.where if stored.header(k)[1] == checkpoint.FP8_DTYPE]
     on_device = _fp8_weights(kept)
     assert len(on_device) > 0
-    q_proj = next(k for k in quantized if k.endswith("attention.kv_b_proj.weight"))  # an MLA layer's
-    weight = on_device[("layers", int(q_proj.split(".")[2]), "attn", "kv_b_proj")]
-    np.testing.assert_array_equal(np.asarray(weight.q[...]).view(np.uint8), stored.read(q_proj).view(np.uint8))
-    assert weight.scale.shape == stored.header(q_proj + checkpoint.SCALE_SUFFIX)[0]
+    kv_a = next(k for k in quantized if k.endswith("attention.kv_a_proj_with_mqa.weight"))  # an MLA layer's
+    weight = on_device[("layers", int(kv_a.split(".")[2]), "attn", "kv_a_proj")]
+    np.testing.assert_array_equal(np.asarray(weight.q[...]).view(np.uint8), stored.read(kv_a).view(np.uint8))
+    np.testing.assert_array_equal(  # its scales refined to the device blocks: the same values
+        np.asarray(weight[...].dequantize(jnp.float32)),
+        np.asarray(fp8.dequantize(stored.read(kv_a), stored.read(kv_a + checkpoint.SCALE_SUFFIX), jnp.float32)))
+    # the matrices read dense are stored in fp8 but held dense, at the stored values dequantized
+    kv_b = next(k for k in quantized if k.endswith("attention.kv_b_proj.weight"))
+    layer = int(kv_b.split(".")[2])
+    assert ("layers", layer, "attn", "kv_b_proj") not in on_device
+    want = fp8.dequantize(stored.read(kv_b), stored.read(kv_b + checkpoint.SCALE_SUFFIX), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(kept.module.layers[layer].attn.kv_b_proj[...]), np.asarray(want))
+    assert not {path[-1] for path in on_device} & {"b_proj", "g_proj", "kv_b_proj"}
     tokens = np.arange(3, 40) % kept.cfg.vocab_size
     np.testing.assert_array_equal(kept.logits(tokens), dense.logits(tokens))
     # half the bytes of every quantized matrix

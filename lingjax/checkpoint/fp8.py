@@ -20,7 +20,7 @@ from flax import nnx
 from lingjax.checkpoint.names import CheckpointError, TensorSpec
 from lingjax.model import Fp8Weight, LingModel, quantizer_block
 from lingjax.ops import fp8 as fp8_ops
-from lingjax.quantization import Fp8Config, Fp8Layout, quantized_paths
+from lingjax.quantization import Fp8Config, Fp8Layout, held_in_fp8, quantized_paths
 
 if TYPE_CHECKING:  # for annotations only: lingjax.checkpoint.safetensors imports this module
     from lingjax.checkpoint.safetensors import Files
@@ -73,7 +73,8 @@ def check_fp8(key: str, spec: TensorSpec, files: Files, fp8: Fp8Config | None) -
 
 def device_layout(files: Files, groups: dict, fp8: Fp8Config | None, weights: str, tp: int) -> Fp8Layout | None:
     """The Fp8Layout a load keeps on the device (None: no fp8 weights): the parameters the checkpoint stores in
-    fp8 (all parts of a stacked one alike), and with weights="fp8" every other quantizable matrix too."""
+    fp8 (all parts of a stacked one alike) but those held dense (lingjax.quantization.held_in_fp8: dequantized as
+    they load), and with weights="fp8" every other quantizable matrix too."""
     if weights == "dense":
         return None
     stored = set()
@@ -86,7 +87,7 @@ def device_layout(files: Files, groups: dict, fp8: Fp8Config | None, weights: st
             plain = next(key for _, key in parts if files.header(key)[1] != FP8_DTYPE)
             raise CheckpointError(f"{fp8_key} ({files.where[fp8_key]}) is {FP8_DTYPE} but {plain} "
                                   f"({files.where[plain]}), stacked into the same parameter, is not")
-    paths = stored | (set(quantized_paths(groups)) if weights == "fp8" else set())
+    paths = {p for p in stored if held_in_fp8(p)} | (set(quantized_paths(groups)) if weights == "fp8" else set())
     if not paths:
         return None
     return Fp8Layout(frozenset(paths), block=fp8.block if fp8 else fp8_ops.BLOCK, tp=tp,

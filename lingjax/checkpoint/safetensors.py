@@ -163,7 +163,8 @@ def load_safetensors(directory: str | Path, cfg: LingConfig, dtype=jnp.bfloat16,
     its device(s) (default: jax.device_put); `progress(done, total)` reports parameters loaded.
     weights: "auto" keeps the checkpoint's fp8 matrices in fp8 on the device (lingjax.model.Fp8Weight, scales cut
     for `tp`), "fp8" also quantizes its other matrices as they load (lingjax.quantization.QUANTIZED_NAMES), "dense"
-    loads everything in `dtype` (fp8 dequantized)."""
+    loads everything in `dtype` (fp8 dequantized). The few matrices the model reads dense (DENSE_ON_DEVICE) load
+    dequantized under every option."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     files = Files(Path(directory))
