@@ -10,7 +10,9 @@
 #               (issue 50); mid's census, bf16 against fp8 (issue 49); the Pallas linear on layer-stacked weights
 #               (bench/stacked_bench.py); mid at 1 and 4 rounds per call with the idle host's share (issue 48).
 #   part flash: (needs an H200) full Flash fp8: decode and NEXTN round at 1 and 4 rounds per call (issue 48), the
-#               decode's census, a 2048-token prefill chunk's census (issue 51), the DSpark round, the round's census.
+#               decode's census, the DSpark round.
+#   part flash2: (needs an H200) a 2048-token prefill chunk's census (issue 51), the NEXTN (S=3) and DSpark rounds
+#               with the full and a 25% draft vocabulary (issue 52), the serving benchmark's plain decode (8192 in).
 set -u
 PART=${1:?part guard, small or flash}
 BASE=${BASE:-.dev/base}
@@ -45,11 +47,16 @@ elif [[ $PART == flash ]]; then
         --program decode --n 10
     step step_flash_dspark 200 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
         --programs dspark --dspark --markov-topk 64 --n 16 --out "$OUT/step_flash_dspark.md"
-    step prof_flash_prefill 100 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
+    cp "$LOGDIR/prof_flash_decode.log" "$OUT/" 2>/dev/null
+elif [[ $PART == flash2 ]]; then
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
+    step prof_flash_prefill 110 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
         --program prefill --prompt-len 2048 --n 3
-    step prof_flash_nextn 130 python -m lingjax.cli profile --model flash --kernels pallas --weights fp8 \
-        --program nextn --steps 3 --n 10
-    for f in prof_flash_decode prof_flash_prefill prof_flash_nextn; do cp "$LOGDIR/$f.log" "$OUT/" 2>/dev/null; done
+    step vocab_flash 200 python bench/draft_vocab_sweep.py --model flash --weights fp8 --kernels pallas \
+        --skip-accept --nextn-steps 3 --dspark-steps 15 --draft-vocab full,25% --out "$OUT/vocab_flash.md"
+    step serve_flash 240 python bench/serve_bench.py --model flash --weights fp8 --prompt-len 8192 \
+        --output-len 1024 --requests 3 --time-budget 60 --out "$OUT/serve_flash.md"
+    cp "$LOGDIR/prof_flash_prefill.log" "$OUT/" 2>/dev/null
 fi
 grep -h "compiled in" "$LOGDIR"/*.log >>"$OUT/steps.md" 2>/dev/null
 for f in "$LOGDIR"/*.log; do
