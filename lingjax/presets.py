@@ -88,6 +88,15 @@ MID = {
     "share_expert_swiglu_limit_list": [0.0] * 5 + [7.0],
 }
 
+# Flash at 18 of its 42 layers (3 of its 7 groups, its 2 dense layers): ~55 GB in fp8, so it runs on one 80 GB GPU;
+# with mid and Flash, the third depth for compile time and per-layer cost against depth.
+FLASH18 = {
+    **FLASH,
+    "num_hidden_layers": 18,
+    "expert_swiglu_limit_list": [0.0] * 15 + [4.0] * 3,
+    "share_expert_swiglu_limit_list": [0.0] * 14 + [5.0] * 2 + [7.0] * 2,
+}
+
 # The shipped code model's architecture (lingjax.train.model_config: its sizes and budgets).
 EMBEDDED = {
     "architectures": ["BailingMoeV3ForCausalLM"],
@@ -160,4 +169,4 @@ SMALL = {
     "topk_group": 2,
 }
 
-PRESETS = {"flash": FLASH, "mid": MID, "tiny": TINY, "embedded": EMBEDDED, "small": SMALL}
+PRESETS = {"flash": FLASH, "flash18": FLASH18, "mid": MID, "tiny": TINY, "embedded": EMBEDDED, "small": SMALL}
