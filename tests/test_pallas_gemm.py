@@ -45,6 +45,7 @@ PLAIN = [  # (rows, N, K, tuning): small shapes, interpret mode
     (64, 128, 256, GemmTuning(bm=32, bn=64, bk=64)),  # a 2 x 2 grid, four K steps
     (96, 192, 256, GemmTuning(bm=64, bn=128)),  # M not a multiple of bm (rows padded), N of bn (tile 64)
     (40, 64, 256, GemmTuning()),  # the defaults: one M tile of 64 (40 rows padded), K in 2 steps
+    (64, 128, 256, GemmTuning(bm=32, bn=64, swap=True)),  # the tile computed transposed, W·xᵀ
 ]
 
 
@@ -61,6 +62,7 @@ FP8 = [  # (rows, N, K, block, tuning)
     (64, 128, 512, (64, 128), GemmTuning(bm=32, bn=128)),  # bn bounded by the scale block's 64 rows; 4 K blocks
     (48, 64, 256, (32, 32), GemmTuning(bm=16, bk=128)),  # a K step over 4 scale blocks: one partial sum each
     (64, 256, 256, (128, 128), GemmTuning(bm=64, bk=64)),  # K steps of half a scale block
+    (32, 128, 256, (128, 128), GemmTuning(swap=False)),  # x·Wᵀ as written (fp8's default computes W·xᵀ)
 ]
 
 
@@ -86,9 +88,11 @@ def test_gemm_leading_dims_and_tiles_from_the_shape():
     w = (jax.random.normal(kw, (64, 256), F32) * 0.06).astype(BF16)
     _check(gemm(x, w, interpret=True), x, w, None)
     x = S((2048, 2560), BF16)
-    assert plan(x, S((157184, 2560), BF16)) == dict(bm=128, bn=256, bk=64, sub=64, rows=2048, grid=(16, 614))
+    assert plan(x, S((157184, 2560), BF16)) == dict(bm=128, bn=256, bk=64, sub=64, rows=2048, grid=(16, 614),
+                                                          swap=False)
     in_proj = fp8.Fp8Array(S((20480, 2560), fp8.FP8), S((160, 20), F32))
-    assert plan(x, in_proj) == dict(bm=128, bn=128, bk=128, sub=128, rows=2048, grid=(16, 160))
+    assert plan(x, in_proj) == dict(bm=128, bn=128, bk=128, sub=128, rows=2048, grid=(16, 160),
+                                   swap=True)
 
 
 def test_refusals_name_the_dimension():
@@ -104,6 +108,8 @@ def test_refusals_name_the_dimension():
     short = fp8.Fp8Array(S((64, 256), fp8.FP8), S((1, 32), F32))  # blocks of 8 columns
     assert "K step of 8" in supports(x, short)
     assert supports(S((64, 24), F32), S((128, 24), F32)) is None  # f32 dots take any K step
+    big = supports(S((2048, 2560), BF16), S((2560, 2560), BF16), tuning=GemmTuning(bk=256))
+    assert "589824 bytes of shared memory" in big  # 3 stages of 128 x 256 and 256 x 256 bf16 tiles
     with pytest.raises(ValueError, match="weight"):
         gemm(jnp.ones((32, 256), BF16), jnp.ones((128, 128), BF16), interpret=True)
 

@@ -32,6 +32,7 @@ from lingjax.pallas import MIN_DOT_K, dot_nt, is_pow2, pallas_call, pow2_tile, r
 
 F32 = jnp.float32
 MIN_TILE = 16  # a Triton dot's smallest M and N
+SHARED_BYTES = 232448  # shared memory one Hopper program may take (227 KiB); Triton refuses a launch past it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +48,17 @@ class GemmTuning:
     128 rows (wgmma's 64-row unit) by the N tile, an f32 accumulator of 64 (bn 128) or 128 (bn 256) registers a
     thread; 3 stages of 48 KiB (x's 16 KiB, 32 KiB of a 256-row bf16 tile; 32 + 16 KiB at fp8) fit the SM's 227 KiB
     of shared memory with loads enough in flight to hide HBM. On an H100 at 2048 rows bn 256 beat 128 by 10-15% on
-    bf16 weights; 4 warps, 4 stages, bm 64 or bk 64 at fp8 were no faster or slower (bench/gemm_bench.py)."""
+    bf16 weights; 4 warps, 4 stages, bm 64 or bk 64 at fp8 were no faster or slower (bench/gemm_bench.py).
+    swap: compute the tile transposed, W·xᵀ, so the weight tile is the dot's first operand, which Hopper's wgmma
+    reads from registers (an fp8 tile is converted there) while x's tile stays in shared memory; None: for fp8
+    weights only (8-10% faster there, about 5% slower on bf16 weights)."""
 
     bm: int = 128
     bn: int = 256
     bk: int = 0
     warps: int = 8
     stages: int = 3
+    swap: bool | None = None
 
 
 def _weight_layout(w) -> tuple[int, int, int, tuple[int, int] | None]:
@@ -96,12 +101,17 @@ def _rows(x) -> int:
 
 def plan(x, w, tuning: GemmTuning = GemmTuning()) -> dict:
     """The launch `gemm` makes for x and the weight w (arrays, Fp8Array or their ShapeDtypeStructs): its tiles,
-    partial-sum width, padded rows and grid."""
+    partial-sum width, padded rows, grid and whether the tile is computed transposed (GemmTuning.swap)."""
     m = _rows(x)
     n, k, itemsize, block = _weight_layout(w)
     bm, bn, bk, sub = _tiles(m, n, k, itemsize, block, tuning)
     padded = -(-m // bm) * bm
-    return dict(bm=bm, bn=bn, bk=bk, sub=sub, rows=padded, grid=(padded // bm, n // bn))
+    return dict(bm=bm, bn=bn, bk=bk, sub=sub, rows=padded, grid=(padded // bm, n // bn),
+                swap=_swap(block, tuning))
+
+
+def _swap(block, tuning: GemmTuning) -> bool:
+    return block is not None if tuning.swap is None else tuning.swap
 
 
 def supports(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpret=None) -> str | None:
@@ -126,10 +136,14 @@ def supports(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpr
         return f"an N tile of {bn} for N = {n}{where}, under the {MIN_TILE} of a Triton dot"
     if jnp.dtype(x.dtype).itemsize < 4 and sub < MIN_DOT_K:
         return f"a K step of {sub} for K = {k}{where} on {jnp.dtype(x.dtype).name} operands, under {MIN_DOT_K}"
+    shared = tuning.stages * bk * (bm * jnp.dtype(x.dtype).itemsize + bn * itemsize)
+    if shared > SHARED_BYTES:
+        return (f"{tuning.stages} stages of {bm} x {bk} and {bn} x {bk} tiles: {shared} bytes of shared memory, "
+                f"over {SHARED_BYTES}")
     return None
 
 
-def _kernel(x_ref, w_ref, *refs, bm, bn, bk, sub, gn, gk, k, scaled):
+def _kernel(x_ref, w_ref, *refs, bm, bn, bk, sub, gn, gk, k, scaled, swap):
     # x_ref [Mp, K]; w_ref [N, K], plain or fp8; scaled: s_ref [N / gn, K / gk] f32 first; y_ref [Mp, N].
     s_ref, y_ref = refs if scaled else (None, refs[0])
     m, n = pl.program_id(0), pl.program_id(1)
@@ -139,14 +153,15 @@ def _kernel(x_ref, w_ref, *refs, bm, bn, bk, sub, gn, gk, k, scaled):
         del part
         xs = x_ref[rows, ks]
         w = w_ref[cols, ks].astype(xs.dtype)
-        product = dot_nt(xs, w)
+        product = dot_nt(w, xs) if swap else dot_nt(xs, w)
         return (product * scale[0] if scaled else product,)
 
     scales = None
     if scaled:
         scales = lambda kb: (s_ref[n * bn // gn, kb],)  # noqa: E731
-    (acc,) = scaled_k_loop(k // bk, bk, sub, (jnp.zeros((bm, bn), F32),), terms, scales, gk)
-    y_ref[rows, cols] = acc.astype(y_ref.dtype)
+    zero = jnp.zeros((bn, bm) if swap else (bm, bn), F32)
+    (acc,) = scaled_k_loop(k // bk, bk, sub, (zero,), terms, scales, gk)
+    y_ref[rows, cols] = (acc.T if swap else acc).astype(y_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tuning", "interpret"))
@@ -171,7 +186,8 @@ def gemm(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpret=N
     params = None if interpret else pltriton.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages)
     y = pallas_call(
         functools.partial(_kernel, bm=bm, bn=bn, bk=bk, sub=sub, gn=block[0] if block else bn,
-                          gk=block[1] if block else bk, k=k, scaled=block is not None),
+                          gk=block[1] if block else bk, k=k, scaled=block is not None,
+                          swap=_swap(block, tuning)),
         out_shape=jax.ShapeDtypeStruct((padded, n), out_dtype),
         grid=(padded // bm, n // bn),
         compiler_params=params,
