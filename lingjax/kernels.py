@@ -3,7 +3,7 @@
 `kernels="xla"` runs the plain-JAX references in lingjax/ops; `kernels="pallas"` runs the Pallas kernels in
 lingjax/pallas (interpret mode off the GPU, so the same model runs everywhere); `kernels="auto"` (the
 default) is "pallas" on a GPU and "xla" elsewhere. Which op a layer needs (chain or chunked KDA, absorbed or
-expanded MLA, the Pallas linear or XLA's GEMM, the decode's routing inside the expert launches) is chosen by the
+expanded MLA, the Pallas linear or the Pallas GEMM, the decode's routing inside the expert launches) is chosen by the
 number of tokens once, in lingjax.model.paths_for, whose flags the layers read; this module only picks the
 implementation of an op. (The experts' XLA reference gathers weights at decode/verify rows and sorts the pairs
 above: that is the reference's own algorithm; the Pallas kernels serve every T.)
@@ -59,6 +59,7 @@ OPS = {
                     "lingjax.pallas.kda_chain:supports"),
     "kda_chunked": Op(kda_ops.kda_chunked, "lingjax.pallas.kda_prefill:kda_chunked_prefill",
                       "lingjax.pallas.kda_prefill:supports"),
+    "gemm": Op(linear_ops.linear, "lingjax.pallas.gemm:gemm", "lingjax.pallas.gemm:supports"),
     "linear": Op(linear_ops.rows_linear, "lingjax.pallas.linear:linear", "lingjax.pallas.linear:supports"),
     "mla_absorbed": Op(mla_ops.mla_absorbed, "lingjax.pallas.mla_decode:mla_decode_attention",
                        "lingjax.pallas.mla_decode:supports"),

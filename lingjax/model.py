@@ -95,11 +95,12 @@ def narrow_linear(x: jax.Array, w: jax.Array, paths: Paths) -> jax.Array:
 def project(x: jax.Array, w, paths: Paths, out_dtype=None) -> jax.Array:
     """linear(x, w) for a plain or an fp8 weight (lingjax.ops.fp8.Fp8Array). On decode/verify rows it runs op
     "linear": the Pallas kernel's launch follows from the shape alone, so every program and process rounds a row
-    alike, and an fp8 weight is read as fp8 (docs/engine.md). On prefill rows, where the GEMM is compute bound,
-    XLA's GEMM (an fp8 weight dequantized to x's dtype)."""
+    alike, and an fp8 weight is read as fp8 (docs/engine.md). On prefill rows op "gemm": a Pallas GEMM whose tiles
+    follow from the shape alone (the step programs compile with XLA's GEMM autotuning off, which leaves XLA's GEMMs
+    far from the tensor cores' speed), an fp8 weight read as fp8. Under TP both take this device's shard of w."""
     if paths.small:
         return paths.op("linear")(x, w, out_dtype, tokens=paths.tokens)
-    return linear(x, w, out_dtype)
+    return paths.op("gemm")(x, w, out_dtype)
 
 
 def row_linear(x: jax.Array, w, paths: Paths) -> jax.Array:

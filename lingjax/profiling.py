@@ -39,7 +39,8 @@ _GEMM = re.compile(r"gemm|gemv|cutlass|xmma|cublas|nvjet|matmul|dot|ynn_fusion|x
 _DENSE_SCOPES = {"kda_proj", "kda_gate", "kda_out", "mla_proj", "mla_out", "dense_mlp", "lm_head", "eh_proj"}
 _PALLAS = ((re.compile(r"kda_"), "KDA"), (re.compile(r"mla_"), "MLA attention"),
            (re.compile(r"moe_(up|down)"), "MoE experts"), (re.compile(r"moe_(router|align)"), "router/glue"),
-           (re.compile(r"linear"), "dense GEMM"))  # lingjax.pallas.linear: the projections and lm_head at T <= 16
+           (re.compile(r"linear"), "dense GEMM"),  # lingjax.pallas.linear: the projections and lm_head at T <= 16
+           (re.compile(r"gemm\b"), "dense GEMM"))  # lingjax.pallas.gemm, above 16 rows (not XLA's gemm_fusion)
 _OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"')
 
 

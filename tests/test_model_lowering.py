@@ -80,7 +80,7 @@ def test_every_program_lowers_with_auto_kernels(name, caplog):
         assert all(text.count("__gpu$xla.gpu.triton") for _, text in lowered)
     for message in fallbacks:  # each names the op and a reason
         op = message.split(":")[1].strip().split()[0]
-        assert op in ("linear", "kda_chain", "kda_chunked", "mla_absorbed", "moe_route", "moe_experts",
+        assert op in ("gemm", "linear", "kda_chain", "kda_chunked", "mla_absorbed", "moe_route", "moe_experts",
                       "moe_routed_experts"), message
 
 
