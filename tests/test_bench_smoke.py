@@ -21,6 +21,7 @@ TABLES = {
     "kernel_stamps": "|  | moe_router_gemv (all) | moe_up_select (routed) |",
     "fp8_bench": "| variant | tuning (changed from the decode's tiles) | vs exact |",
     "linear_bench": "| projection | [N, K] | variant | launch |",
+    "gemm_bench": "| shape | [N, K] | variant | plan |",
     "draft_vocab_sweep": "| spec | S (verify width) | draft vocab |",
     "dispatch_bench": "| N | N arrays, read µs | N arrays donated, returned µs |",
 }
