@@ -41,9 +41,9 @@ def _add_common(p: argparse.ArgumentParser, *, pairs: bool) -> None:
     kernels = dict(choices=["auto", "xla", "pallas"], help="kernel set (auto: Pallas on a GPU, XLA elsewhere)")
     weights = dict(choices=["auto", "fp8", "dense"], help="auto: as the checkpoint stores them; fp8: quantize "
                                                           "every matrix (docs/fp8.md); dense: all in --dtype")
-    if pairs:
-        p.add_argument("--kernels", nargs=2, metavar="SET", default=None, **kernels)
-        p.add_argument("--weights", nargs=2, metavar="W", default=None, **weights)
+    if pairs:  # two values: the pair compared; one: both sides' setting
+        p.add_argument("--kernels", nargs="+", metavar="SET", default=None, **kernels)
+        p.add_argument("--weights", nargs="+", metavar="W", default=None, **weights)
     else:
         p.add_argument("--kernels", default="auto", **kernels)
         p.add_argument("--weights", default="auto", **weights)
@@ -193,10 +193,17 @@ def run_compare(args) -> int:
 
     if args.profile_command != "compare":
         raise cli.UsageError("expected `lingjax profile compare`")
-    forms = [bool(args.saved), args.kernels is not None, args.weights is not None, args.revs is not None]
+    for flag, values in (("--kernels", args.kernels), ("--weights", args.weights)):
+        if values is not None and len(values) > 2:
+            raise cli.UsageError(f"{flag} takes two values (the sides compared) or one (both sides' setting), got "
+                                 f"{len(values)}")
+    pair = lambda values: values is not None and len(values) == 2  # noqa: E731
+    forms = [bool(args.saved), pair(args.kernels), pair(args.weights), args.revs is not None]
     if sum(forms) != 1:
         raise cli.UsageError("compare takes two saved censuses (A B), or --kernels A B, --weights A B or --revs A B: "
-                             "one of them")
+                             "one of them (a single --kernels or --weights value sets both sides)")
+    if args.saved and (args.kernels or args.weights):
+        raise cli.UsageError("two saved censuses are compared as they were run: --kernels and --weights run nothing")
     if args.saved:
         if len(args.saved) != 2:
             raise cli.UsageError(f"compare takes two saved censuses, got {len(args.saved)}")
@@ -212,9 +219,8 @@ def run_compare(args) -> int:
     if args.revs is not None:
         return _compare_revisions(args)
     cfg, name = _source(args)
-    by_weights = args.weights is not None
-    kernels = args.kernels or ["auto", "auto"]
-    weights = args.weights or ["auto", "auto"]
+    by_weights = pair(args.weights)
+    kernels, weights = _sides(args.kernels), _sides(args.weights)
     if len(set(weights if by_weights else kernels)) == 1:
         raise cli.UsageError("compare needs two different sides")
     args.weights = weights[0]
@@ -234,10 +240,20 @@ def run_compare(args) -> int:
     return _print_compare(labels, results)
 
 
+def _sides(values) -> list[str]:
+    """A compare's --kernels or --weights as [side A, side B]: the pair given, one value for both, or auto."""
+    if not values:
+        return ["auto", "auto"]
+    return list(values) if len(values) == 2 else [values[0], values[0]]
+
+
 def _profile_argv(args) -> list[str]:
-    """The `lingjax profile` flags of this compare (its one kernel set and weight format: auto)."""
+    """The `lingjax profile` flags of this compare (its one kernel set and weight format: as given, else auto)."""
     argv = ["--program", args.program, "--n", str(args.n), "--prompt-len", str(args.prompt_len), "--tp", str(args.tp),
             "--dtype", args.dtype, "--router-precision", args.router_precision]
+    for flag, values in (("--kernels", args.kernels), ("--weights", args.weights)):
+        if values:
+            argv += [flag, values[0]]
     if args.model is not None:
         argv += ["--model", args.model]
     if args.checkpoint is not None:

@@ -31,6 +31,10 @@ def _error(capsys, argv) -> str:
     (["profile", "compare"], "one of them"),
     (["profile", "compare", "a", "b", "--kernels", "xla", "pallas"], "one of them"),
     (["profile", "compare", "--kernels", "xla", "xla"], "two different sides"),
+    (["profile", "compare", "--kernels", "xla", "pallas", "--weights", "dense", "fp8"], "one of them"),
+    (["profile", "compare", "--kernels", "xla"], "one of them"),
+    (["profile", "compare", "--weights", "dense", "fp8", "auto"], "--weights takes two values"),
+    (["profile", "compare", "a", "b", "--weights", "fp8"], "run nothing"),
     (["profile", "compare", "only_one"], "two saved censuses, got 1"),
     (["profile", "compare", "a", "b", "--out", "c"], "saved already"),
     (["profile", "compare", "no/such/a", "no/such/b"], "no saved census"),
@@ -168,6 +172,24 @@ def test_compare_dense_and_fp8_weights_in_one_command(tmp_path, capsys):
     diff = profile_report.differences(dense[0], fp8[0])
     for cat in CATEGORIES:
         assert f"| {cat} | " in printed and f"{diff[cat]:+.0f} |" in printed
+
+
+def test_compare_kernel_sets_with_one_weight_format(tmp_path, capsys):
+    """--kernels A B with a single --weights value: both sides hold that format (here fp8)."""
+    argv = ["profile", "compare", "--kernels", "xla", "pallas", "--weights", "fp8", "--n", "1", "--prompt-len", "8",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert "| µs per step | xla | pallas |" in capsys.readouterr().out
+    for side in ("xla", "pallas"):
+        assert profile_report.read(tmp_path / side)[1]["weights"] == "fp8"
+
+
+def test_revisions_take_one_weight_format_for_both(monkeypatch):
+    """--revs A B --weights fp8: each revision's `lingjax profile` gets --weights fp8."""
+    args = cli.build_parser().parse_args(
+        ["profile", "compare", "--revs", "A", "B", "--weights", "fp8", "--kernels", "pallas"])
+    argv = profile_command._profile_argv(args)
+    assert argv[argv.index("--weights") + 1] == "fp8" and argv[argv.index("--kernels") + 1] == "pallas"
 
 
 def test_compare_refuses_an_unknown_revision(capsys):
