@@ -63,11 +63,10 @@ def bits_per_byte(model, ids: list[int], num_bytes: int, window: int) -> tuple[f
     return nats / num_bytes / math.log(2), predictions
 
 
-def main(argv=None) -> None:
-    ap = parser(__doc__)
+def add_accuracy_options(ap) -> None:
+    """The options of an accuracy A/B on the shipped model (this script's and bench/op_rounding.py's)."""
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--scale-fmt", choices=["float32", "ue8m0"], default="float32")
     ap.add_argument("--max-bytes", type=int, default=200_000)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--count", type=int, default=8)
@@ -75,70 +74,85 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
 
+
+def measure(models: dict, args) -> tuple[dict, dict]:
+    """Each model's held-out bits per byte and argmax predictions, greedy tokens and NEXTN accept on the same
+    prompts -> (rows by name, what was measured on: files, bytes, tokens)."""
+    import lingjax
+
+    first = next(iter(models.values()))
+    ids, num_bytes, files = held_out_stream(first.tokenizer, first.cfg.eos_token_ids[0], args.max_bytes)
+    prompts = embedded_bench.make_prompts(args.checkpoint, args.count, args.prompt_tokens)
+    rows = {}
+    for name, model in models.items():
+        bpb, predictions = bits_per_byte(model, ids, num_bytes, args.window)
+        plain = [lingjax.generate(model, p, args.new_tokens, ignore_eos=True).tokens for p in prompts["ids"]]
+        spec = [lingjax.generate(model, p, args.new_tokens, ignore_eos=True, spec="nextn", steps=args.steps)
+                for p in prompts["ids"]]
+        rows[name] = dict(
+            bpb=bpb,
+            plain=plain,
+            predictions=predictions,
+            accept=statistics.mean(r.mean_accept_len for r in spec),
+            lossless=sum(r.tokens == t for r, t in zip(spec, plain)),
+        )
+        print(f"{name}: {bpb:.4f} bits/byte, accept {rows[name]['accept']:.2f}", flush=True)
+    return rows, dict(files=files, bytes=num_bytes, tokens=len(ids))
+
+
+def report(title: str, script: str, setup: str, column: str, rows: dict, data: dict, args, argv) -> list[str]:
+    """The A/B's markdown: heading, setup, one row per model against the first (the reference) -> lines."""
     import jax
+
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    device = jax.devices()[0]
+    base_name, base = next(iter(rows.items()))
+    lines = [
+        f"# {title}",
+        f"{now}, {device.device_kind} ({device.platform}), jax {jax.__version__}, Python {platform.python_version()}",
+        f"command: `python bench/{script} {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        "",
+        f"{setup} Held-out: {data['files']} files, {data['bytes']:,} bytes, {data['tokens']:,} tokens in windows of "
+        f"{args.window}. {args.count} prompts of {args.prompt_tokens} tokens, {args.new_tokens} greedy tokens.",
+        "",
+        f"| {column} | held-out bits/byte | vs {base_name} | held-out next-token argmax equal to {base_name}'s "
+        f"| greedy tokens equal to {base_name}'s (prompts all equal; common prefix median, min) "
+        f"| NEXTN mean accept length S={args.steps} | NEXTN = plain greedy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        prefixes = [embedded_bench.common_prefix(a, b) for a, b in zip(row["plain"], base["plain"])]
+        equal = sum(p == args.new_tokens for p in prefixes)
+        same = sum(int((a == b).sum()) for a, b in zip(row["predictions"], base["predictions"]))
+        total = sum(a.size for a in base["predictions"])
+        lines.append(f"| {name} | {row['bpb']:.4f} | {row['bpb'] / base['bpb'] - 1:+.2%} | {same / total:.2%} | "
+                     f"{equal}/{len(prefixes)}; {statistics.median(prefixes):.0f}, {min(prefixes)} | "
+                     f"{row['accept']:.2f} | {row['lossless']}/{len(prefixes)} |")
+    return lines
+
+
+def main(argv=None) -> None:
+    ap = parser(__doc__)
+    add_accuracy_options(ap)
+    ap.add_argument("--scale-fmt", choices=["float32", "ue8m0"], default="float32")
+    args = ap.parse_args(argv)
 
     import lingjax
     from lingjax import checkpoint
-
-    lines = []
-
-    def say(text=""):
-        print(text, flush=True)
-        lines.append(text)
 
     with tempfile.TemporaryDirectory() as tmp:
         fp8_dir = Path(tmp) / "fp8"
         layout = checkpoint.convert_fp8(args.checkpoint, fp8_dir, scale_fmt=args.scale_fmt)
         models = {"bf16": lingjax.load(args.checkpoint, dtype=args.dtype),
                   "fp8": lingjax.load(fp8_dir, dtype=args.dtype)}
-        tok = models["bf16"].tokenizer
-        ids, num_bytes, files = held_out_stream(tok, models["bf16"].cfg.eos_token_ids[0], args.max_bytes)
-        prompts = embedded_bench.make_prompts(args.checkpoint, args.count, args.prompt_tokens)
-        rows = {}
-        for name, model in models.items():
-            bpb, predictions = bits_per_byte(model, ids, num_bytes, args.window)
-            plain = [lingjax.generate(model, p, args.new_tokens, ignore_eos=True).tokens for p in prompts["ids"]]
-            spec = [lingjax.generate(model, p, args.new_tokens, ignore_eos=True, spec="nextn", steps=args.steps)
-                    for p in prompts["ids"]]
-            rows[name] = dict(
-                bpb=bpb,
-                plain=plain,
-                predictions=predictions,
-                accept=statistics.mean(r.mean_accept_len for r in spec),
-                lossless=sum(r.tokens == t for r, t in zip(spec, plain)),
-            )
-            print(f"{name}: {bpb:.4f} bits/byte, accept {rows[name]['accept']:.2f}", flush=True)
-
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    device = jax.devices()[0]
-    say("# fp8 weights against bf16 on the shipped model")
-    say(f"{now}, {device.device_kind} ({device.platform}), jax {jax.__version__}, Python {platform.python_version()}")
-    say(f"command: `python bench/fp8_accuracy.py {' '.join(argv if argv is not None else sys.argv[1:])}`")
-    say()
-    say(f"checkpoint {args.checkpoint}; fp8 copy by `lingjax convert --fp8` (blocks {list(layout.block)}, scales "
-        f"{layout.scale_fmt}, not converted: {', '.join(layout.not_converted)}), kept in fp8 on the device "
-        f"(kernels {models['fp8'].kernels}); compute "
-        f"{args.dtype}. Held-out: {files} files, {num_bytes:,} bytes, {len(ids):,} tokens in windows of "
-        f"{args.window}. {args.count} prompts of {args.prompt_tokens} tokens, {args.new_tokens} greedy tokens.")
-    say()
-    base = rows["bf16"]
-    say(
-        "| weights | held-out bits/byte | vs bf16 | held-out next-token argmax equal to bf16's "
-        "| greedy tokens equal to bf16's (prompts all equal; common prefix median, min) "
-        f"| NEXTN mean accept length S={args.steps} | NEXTN = plain greedy |"
-    )
-    say("|---|---|---|---|---|---|---|")
-    for name, row in rows.items():
-        prefixes = [embedded_bench.common_prefix(a, b) for a, b in zip(row["plain"], base["plain"])]
-        equal = sum(p == args.new_tokens for p in prefixes)
-        same = sum(int((a == b).sum()) for a, b in zip(row["predictions"], base["predictions"]))
-        total = sum(a.size for a in base["predictions"])
-        say(f"| {name} | {row['bpb']:.4f} | {row['bpb'] / base['bpb'] - 1:+.2%} | {same / total:.2%} | "
-            f"{equal}/{len(prefixes)}; "
-            f"{statistics.median(prefixes):.0f}, {min(prefixes)} | {row['accept']:.2f} | "
-            f"{row['lossless']}/{len(prefixes)} |")
+        rows, data = measure(models, args)
+    setup = (f"checkpoint {args.checkpoint}; fp8 copy by `lingjax convert --fp8` (blocks {list(layout.block)}, "
+             f"scales {layout.scale_fmt}, not converted: {', '.join(layout.not_converted)}), kept in fp8 on the "
+             f"device (kernels {models['fp8'].kernels}); compute {args.dtype}.")
+    lines = report("fp8 weights against bf16 on the shipped model", "fp8_accuracy.py", setup, "weights", rows, data,
+                   args, argv)
+    print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
 
