@@ -163,25 +163,18 @@ def test_profile_a_prefill_chunk_on_the_cpu(capsys):
 
 
 def test_compare_dense_and_fp8_weights_in_one_command(tmp_path, capsys):
-    argv = ["profile", "compare", "--weights", "dense", "fp8", "--n", "1", "--prompt-len", "8", "--out", str(tmp_path)]
+    """--weights A B, with a single --kernels value for both sides."""
+    argv = ["profile", "compare", "--weights", "dense", "fp8", "--kernels", "xla", "--n", "1", "--prompt-len", "8",
+            "--out", str(tmp_path)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "| µs per step | dense | fp8 | fp8 − dense | fp8 / dense |" in printed
     dense, fp8 = profile_report.read(tmp_path / "dense"), profile_report.read(tmp_path / "fp8")
     assert dense[1]["weights"] == "dense" and fp8[1]["weights"] == "fp8"
+    assert dense[1]["kernels"] == fp8[1]["kernels"] == "xla"
     diff = profile_report.differences(dense[0], fp8[0])
     for cat in CATEGORIES:
         assert f"| {cat} | " in printed and f"{diff[cat]:+.0f} |" in printed
-
-
-def test_compare_kernel_sets_with_one_weight_format(tmp_path, capsys):
-    """--kernels A B with a single --weights value: both sides hold that format (here fp8)."""
-    argv = ["profile", "compare", "--kernels", "xla", "pallas", "--weights", "fp8", "--n", "1", "--prompt-len", "8",
-            "--out", str(tmp_path)]
-    assert cli.main(argv) == 0
-    assert "| µs per step | xla | pallas |" in capsys.readouterr().out
-    for side in ("xla", "pallas"):
-        assert profile_report.read(tmp_path / side)[1]["weights"] == "fp8"
 
 
 def test_revisions_take_one_weight_format_for_both(monkeypatch):
