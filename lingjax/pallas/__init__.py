@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lingjax import target
+from lingjax.ops.fp8 import Fp8Array
 from lingjax.pallas import instrument
 from lingjax.stacked import unstack_operands
 
@@ -88,6 +89,15 @@ def pow2_tile(n: int, want: int) -> int:
     while t * 2 <= want and n % (t * 2) == 0:
         t *= 2
     return t
+
+
+def weight_layout(w) -> tuple[int, int, int, tuple[int, int] | None]:
+    """(N, K, bytes per element, scale block or None) of a plain or fp8 weight [N, K] (an array, an
+    lingjax.ops.fp8.Fp8Array, or their ShapeDtypeStructs): what a GEMM kernel's tiles follow from."""
+    n, k = w.shape[-2:]
+    if isinstance(w, Fp8Array):
+        return n, k, 1, w.block
+    return n, k, jnp.dtype(w.dtype).itemsize, None
 
 
 def dot_nt(a, b):

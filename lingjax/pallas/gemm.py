@@ -27,8 +27,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.ops.fp8 import Fp8Array
-from lingjax.pallas import MIN_DOT_K, dot_nt, is_pow2, pallas_call, pow2_tile, resolve_interpret, scaled_k_loop
+from lingjax.pallas import (
+    MIN_DOT_K,
+    dot_nt,
+    is_pow2,
+    pallas_call,
+    pow2_tile,
+    resolve_interpret,
+    scaled_k_loop,
+    weight_layout,
+)
 
 F32 = jnp.float32
 MIN_TILE = 16  # a Triton dot's smallest M and N
@@ -59,14 +67,6 @@ class GemmTuning:
     warps: int = 8
     stages: int = 3
     swap: bool | None = None
-
-
-def _weight_layout(w) -> tuple[int, int, int, tuple[int, int] | None]:
-    """(N, K, bytes per element, scale block or None) of a plain or fp8 weight (array or ShapeDtypeStruct)."""
-    n, k = w.shape[-2:]
-    if isinstance(w, Fp8Array):
-        return n, k, 1, w.block
-    return n, k, jnp.dtype(w.dtype).itemsize, None
 
 
 def _row_tile(m: int, want: int) -> int:
@@ -103,7 +103,7 @@ def plan(x, w, tuning: GemmTuning = GemmTuning()) -> dict:
     """The launch `gemm` makes for x and the weight w (arrays, Fp8Array or their ShapeDtypeStructs): its tiles,
     partial-sum width, padded rows, grid and whether the tile is computed transposed (GemmTuning.swap)."""
     m = _rows(x)
-    n, k, itemsize, block = _weight_layout(w)
+    n, k, itemsize, block = weight_layout(w)
     bm, bn, bk, sub = _tiles(m, n, k, itemsize, block, tuning)
     padded = -(-m // bm) * bm
     return dict(bm=bm, bn=bn, bk=bk, sub=sub, rows=padded, grid=(padded // bm, n // bn),
@@ -124,7 +124,7 @@ def supports(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpr
         return f"a weight of {len(w.shape)} dimensions, not a matrix"
     if not is_pow2(tuning.bm) or tuning.bm < MIN_TILE:
         return f"an M tile of {tuning.bm}, not a power of 2 of at least {MIN_TILE}"
-    n, k, itemsize, block = _weight_layout(w)
+    n, k, itemsize, block = weight_layout(w)
     where = ""
     if block is not None:
         gn, gk = block
@@ -174,7 +174,7 @@ def gemm(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpret=N
     lead, k = x.shape[:-1], x.shape[-1]
     if len(w.shape) != 2 or w.shape[1] != k:
         raise ValueError(f"gemm takes x [..., {k}] and a weight [N, {k}], got weight {list(w.shape)}")
-    n, _, itemsize, block = _weight_layout(w)
+    n, _, itemsize, block = weight_layout(w)
     flat = x.reshape(-1, k)
     m = flat.shape[0]
     bm, bn, bk, sub = _tiles(m, n, k, itemsize, block, tuning)

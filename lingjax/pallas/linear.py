@@ -31,7 +31,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.ops.fp8 import Fp8Array
 from lingjax.pallas import (
     MIN_DOT_K,
     ROW_PER_SUM,
@@ -44,6 +43,7 @@ from lingjax.pallas import (
     row_reader,
     scaled_k_loop,
     short_dot,
+    weight_layout,
     x_row_mode,
     x_rows,
 )
@@ -74,14 +74,6 @@ class LinearTuning:
     x_row_split: bool = False
 
 
-def _weight_layout(w) -> tuple[int, int, int, tuple[int, int] | None]:
-    """(N, K, bytes per element, scale block or None) of a plain or fp8 weight (array or ShapeDtypeStruct)."""
-    n, k = w.shape[-2:]
-    if isinstance(w, Fp8Array):
-        return n, k, 1, w.block
-    return n, k, jnp.dtype(w.dtype).itemsize, None
-
-
 def _tiles(n: int, k: int, itemsize: int, block: tuple[int, int] | None,
            tuning: LinearTuning) -> tuple[int, int, int, int]:
     """(bn, splits, bk, sub): sub is the columns of one partial sum (a K step's part inside one scale block; a plain
@@ -102,7 +94,7 @@ def _tiles(n: int, k: int, itemsize: int, block: tuple[int, int] | None,
 def plan(x_dtype, w, tokens=None, tuning: LinearTuning = LinearTuning()) -> dict:
     """The launch `linear` makes for x of `x_dtype` and the weight w (array, Fp8Array or their ShapeDtypeStructs):
     its N tile, K splits, K step, partial-sum width and (tokens=1) how x's row is read (lingjax.pallas.x_row_mode)."""
-    n, k, itemsize, block = _weight_layout(w)
+    n, k, itemsize, block = weight_layout(w)
     bn, splits, bk, sub = _tiles(n, k, itemsize, block, tuning)
     mode = x_row_mode(1 if tokens == 1 else ROWS, bk, sub, x_dtype, tuning.x_row_min_bytes, tuning.warps,
                       tuning.x_row_split)
@@ -121,7 +113,7 @@ def supports(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = Linear
         return f"{rows} rows of x, over the {ROWS} one program multiplies"
     if len(w.shape) != 2:
         return f"a weight of {len(w.shape)} dimensions, not a matrix"
-    n, k, itemsize, block = _weight_layout(w)
+    n, k, itemsize, block = weight_layout(w)
     if block is not None:
         gn, gk = block
         if not is_pow2(gn) or not is_pow2(gk):
@@ -184,7 +176,7 @@ def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTu
     lead, k = x.shape[:-1], x.shape[-1]
     if len(w.shape) != 2 or w.shape[1] != k:
         raise ValueError(f"linear takes x [..., {k}] and a weight [N, {k}], got weight {list(w.shape)}")
-    n, _, itemsize, block = _weight_layout(w)
+    n, _, itemsize, block = weight_layout(w)
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
     if rows > ROWS:
