@@ -253,22 +253,6 @@ def hf_fixture(request):
     return request.param
 
 
-@pytest.fixture(autouse=True)
-def _prefill_gemm_on_its_reference(request, monkeypatch):
-    """Op "gemm" (the prefill rows' Pallas GEMM) runs its XLA reference under kernels="pallas", except in tests marked
-    `gemm_kernel`. In interpret mode each of a program's GEMM call sites compiles a loop of its own (a fraction of a
-    second each, dozens a prefill program), which across the Pallas model tests cost minutes of the suite. The kernel
-    stays covered: its own tests (tests/test_pallas_gemm.py, which call it directly), a model test marked here
-    (tests/test_generate.py), and the lowering of every program for an H200 (tests/test_model_lowering.py)."""
-    if request.node.get_closest_marker("gemm_kernel") is None:
-        import dataclasses
-
-        from lingjax import kernels
-
-        monkeypatch.setitem(kernels.OPS, "gemm",
-                            dataclasses.replace(kernels.OPS["gemm"], pallas="lingjax.ops.linear:linear"))
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop every compiled program after each test module. XLA:CPU maps memory for each executable it

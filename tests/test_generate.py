@@ -182,7 +182,6 @@ def test_compile_time_is_reported_only_when_spent():
     assert again.tokens == first.tokens
 
 
-@pytest.mark.gemm_kernel
 def test_pallas_kernels_give_the_same_model():
     """kernels="pallas" (interpret mode on the CPU) against the XLA references, decode and prefill."""
     xla = _tiny()

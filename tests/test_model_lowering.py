@@ -30,7 +30,7 @@ from lingjax.shipped import DEFAULT_CHECKPOINT, DEFAULT_NAME
 from lingjax.spec import step as spec_step
 from lingjax.spec.step import SpecState
 
-pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"), pytest.mark.gemm_kernel]
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
 CONFIGS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").exists()) + ["tiny", "mid", DEFAULT_NAME]
 
