@@ -24,6 +24,7 @@ TABLES = {
     "gemm_bench": "| shape | [N, K] | variant | plan |",
     "draft_vocab_sweep": "| spec | S (verify width) | draft vocab |",
     "dispatch_bench": "| N | N arrays, read µs | N arrays donated, returned µs |",
+    "compile_bench": "| program | cold: trace s | lower s | compile s |",
 }
 
 
