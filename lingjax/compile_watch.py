@@ -4,10 +4,12 @@ A program's first call traces it, lowers it and compiles it (or loads it from th
 which on a big model takes seconds to minutes. `watch()` starts counting: `seconds()` is the compile time so far
 (generate reports what its run spent), and with `show(stream)` a status line ("compiling the decode step… 12 s")
 is redrawn on a terminal while one compiles and erased when it is done (a plain line after it, elsewhere).
+Programs compiled together (lingjax.precompile) are one piece of work: `together(names)` around it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -37,6 +39,8 @@ class _Watch:
         self.total_s = 0.0  # seconds spent compiling (or loading) lingjax's programs
         self.current: tuple[str, float] | None = None  # (program, start) while one is traced or compiled
         self.cached = False
+        self.together = 0  # while > 0, programs compiled together: their own events are that one piece of work's
+        self.hits = 0  # persistent-cache hits during it
         self.stream = None
         self.quiet = lambda: False  # while true the status line is not drawn (text on the current line)
         self.shown = False
@@ -44,16 +48,20 @@ class _Watch:
 
     # ---- jax.monitoring listeners ----
     def on_start(self, event: str, value: float, fun_name: str = "", **_) -> None:
+        if self.together:
+            return
         if event == _TRACE and (name := _program(fun_name)) is not None:
             with self.lock:
                 self.current, self.cached = (name, time.perf_counter()), False
 
     def on_event(self, event: str, **_) -> None:
         if event == _CACHE_HIT and self.current is not None:
-            self.cached = True
+            with self.lock:
+                self.hits += 1
+            self.cached = not self.together
 
     def on_end(self, event: str, seconds: float, fun_name: str = "", **_) -> None:
-        if event != _COMPILE or _program(fun_name) is None:
+        if self.together or event != _COMPILE or _program(fun_name) is None:
             return
         with self.lock:
             current, self.current = self.current, None
@@ -120,6 +128,29 @@ def watch() -> _Watch:
         jax.monitoring.register_event_listener(_watch.on_event)
         jax.monitoring.register_event_duration_secs_listener(_watch.on_end)
     return _watch
+
+
+@contextlib.contextmanager
+def together(names: list[str]):
+    """Counts the work inside as one piece, named by the programs it compiles (one name each, ["the speculative
+    prefill", "the speculative prefill", "the speculative round"]): one status line, "loaded" when the persistent
+    cache held every one of them."""
+    w = watch()
+    unique = list(dict.fromkeys(names))
+    label = unique[0] if len(unique) == 1 else ", ".join(unique[:-1]) + " and " + unique[-1]
+    with w.lock:
+        w.together += 1
+        w.current, w.cached, w.hits = (label, time.perf_counter()), False, 0
+    try:
+        yield
+    finally:
+        with w.lock:
+            w.together -= 1
+            current, w.current = w.current, None
+            w.cached = w.hits >= len(names)
+        spent = time.perf_counter() - current[1]
+        w.total_s += spent
+        w._finish(label, spent)
 
 
 def seconds() -> float:

@@ -25,6 +25,7 @@ from lingjax import compile_watch, requests
 from lingjax.chat_template import render_for
 from lingjax.detokenize import TextStream
 from lingjax.fim import fim_prompt
+from lingjax.precompile import Job, compile_together
 from lingjax.requests import PREFILL_CHUNK
 from lingjax.runtime import Model
 from lingjax.sampling import NONFINITE, SamplingParams
@@ -107,13 +108,18 @@ def _prompt_chunks(prompt: np.ndarray, size: int) -> Iterator[tuple[int, np.ndar
 
 
 def plain_prefill(model: Model, prompt: np.ndarray, max_new_tokens: int, sampling, key, rounds_per_call: int = 1,
-                  chunk: int = PREFILL_CHUNK):
+                  chunk: int = PREFILL_CHUNK, then=None):
     """The prompt through the target in chunks -> (first new token, cache sized for max_new_tokens and
-    decode calls of rounds_per_call steps)."""
+    decode calls of rounds_per_call steps). then(cache) -> the jobs (lingjax.precompile.Job) of the programs that
+    follow the prefill, compiled together with its own before it runs."""
     prefill, _ = model.step_programs(sampling)
     cache = model.new_cache(cache_capacity(prompt.size, max_new_tokens, rounds_per_call, chunk))
-    for start, tokens, n_valid, _ in _prompt_chunks(prompt, chunk):
-        token, cache = prefill(model.weights, cache, *model.put((tokens, np.int32(start), np.int32(n_valid))), key)
+    chunks = [model.put((tokens, np.int32(start), np.int32(n_valid)))
+              for start, tokens, n_valid, _ in _prompt_chunks(prompt, chunk)]
+    jobs = [Job("the prefill", prefill, (model.weights, cache, *chunks[i], key)) for i in (0, -1)]
+    compile_together(model.compiled, jobs + (then(cache) if then is not None else []))
+    for host in chunks:
+        token, cache = prefill(model.weights, cache, *host, key)
     return token, cache
 
 
@@ -122,11 +128,17 @@ def _plain_steps(model: Model, prompt, max_new_tokens, sampling, base_key, round
     """Yields each call's new tokens (the prefill's one, then rounds_per_call per decode call), reading
     one call behind the device."""
     _, decode = model.step_programs(sampling, rounds_per_call)
+    token_like, pos = model.put((np.int32(0), np.int32(prompt.size)))  # token_like: the prefill's token's stand-in
+
+    def then(cache):
+        if max_new_tokens == 1:  # no decode call
+            return []
+        return [Job("the decode step", decode, (model.weights, cache, token_like, pos, base_key))]
+
     token, cache = plain_prefill(model, prompt, max_new_tokens, sampling, jax.random.fold_in(base_key, 0),
-                                 rounds_per_call, chunk)
+                                 rounds_per_call, chunk, then)
     pending, produced = token, 0
     start_host_copy(pending)
-    pos = model.put(np.int32(prompt.size))
     new = None
     try:
         while True:
@@ -154,14 +166,25 @@ def settle(in_flight) -> None:
 
 
 def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tokens: int, base_key,
-                 chunk: int = PREFILL_CHUNK):
-    """The prompt through the target and the drafter -> (first token b, the state of round 1)."""
+                 chunk: int = PREFILL_CHUNK, then=None):
+    """The prompt through the target and the drafter -> (first token b, the state of round 1). then(state) -> the
+    jobs (lingjax.precompile.Job) of the programs that follow the prefill, given a stand-in of round 1's state,
+    compiled together with the prefill's before it runs."""
     # a call of rounds_per_call rounds advances s by up to that many verify widths
     capacity = cache_capacity(prompt.size, max_new_tokens, (drafter.steps + 1) * program.rounds_per_call, chunk)
     cache, draft = model.new_cache(capacity), model.put(drafter.init(model.module, capacity))
-    for start, tokens, n_valid, last in _prompt_chunks(prompt, chunk):
-        after = 0 if last else int(prompt[start + n_valid])
-        host = model.put((tokens, np.int32(start), np.int32(n_valid), np.int32(after)))
+    chunks = [(model.put((tokens, np.int32(start), np.int32(n_valid),
+                          np.int32(0 if last else prompt[start + n_valid]))), last)
+              for start, tokens, n_valid, last in _prompt_chunks(prompt, chunk)]
+    jobs = [Job("the speculative prefill", program.prefill_program(last),
+                (program.weights, cache, draft, *host, base_key)) for host, last in (chunks[0], chunks[-1])]
+    if then is not None:
+        # round 1's state: the cache and drafter state as the prefill leaves them, the host's scalars, its own key
+        s, round_, bonus_like = model.put((np.int32(prompt.size), np.int32(0), np.int32(0)))
+        jobs += then(SpecState(cache=cache, draft=draft, s=s, bonus=bonus_like, round=round_,
+                               key=jax.random.clone(base_key)))
+    compile_together(model.compiled, jobs)
+    for host, last in chunks:
         bonus, cache, draft = program.prefill_chunk(program.weights, cache, draft, *host, base_key, last=last)
     # the state is donated to the first round: it gets its own copies of the token the host reads
     # and of the caller's key
@@ -178,7 +201,14 @@ def _spec_steps(model: Model, prompt, max_new_tokens, sampling, base_key, drafte
     fixed width); choose(report) -> the width of the next call, from the last report read (None before any)."""
     programs = {w: spec_program(model, d, sampling, rounds_per_call) for w, d in drafters.items()}
     widest = max(drafters)
-    bonus, state = spec_prefill(model, programs[widest], drafters[widest], prompt, max_new_tokens, base_key, chunk)
+
+    def then(state):
+        if max_new_tokens == 1:  # no round
+            return []
+        return [Job("the speculative round", p.round_program, (p.weights, state)) for p in programs.values()]
+
+    bonus, state = spec_prefill(model, programs[widest], drafters[widest], prompt, max_new_tokens, base_key, chunk,
+                                then)
     pending, pending_width, produced, report = bonus, None, 0, None
     start_host_copy(pending)
     out = None

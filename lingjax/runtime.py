@@ -115,6 +115,7 @@ class Model:
         self._prefill_programs, self._decode_programs = {}, {}
         # programs built elsewhere for this model and options (lingjax.spec.step.spec_program), by what built them
         self.programs: dict = {}
+        self.compiled: set = set()  # programs compiled ahead of their first call (lingjax.precompile), by key
 
     def variant(self, **changes) -> Model:
         """This model's weights, mesh and source with RunOptions fields changed (kernels, router_precision,

@@ -1,7 +1,8 @@
 """Generation compiles each of its programs once: for a safetensors checkpoint and its `lingjax convert`
 (orbax) copy, with and without speculation, and a second identical request compiles nothing. A program
 lowered again (for example because an argument's sharding changed between the first and later steps) would
-recompile inside the token loop and cost a compile per request."""
+recompile inside the token loop and cost a compile per request. And every program is compiled before the first
+one runs, together (lingjax.precompile): the stand-in arguments they are compiled for are the real calls'."""
 
 import collections
 import logging
@@ -11,7 +12,7 @@ import pytest
 
 import lingjax
 from conftest import FIXTURES
-from lingjax import checkpoint
+from lingjax import checkpoint, engine, precompile
 
 # The programs generation runs, by speculation mode (jit names: the jitted functions' names).
 PROGRAMS = {None: {"_prefill_impl", "_decode_impl"}, "nextn": {"_prefill_chunk", "_rounds"}}
@@ -58,3 +59,41 @@ def test_generation_compiles_each_program_once(layout, spec, sources, compiles):
     again = lingjax.generate(model, [1, 2, 3], 9, ignore_eos=True, spec=spec)
     assert not compiles.names, dict(compiles.names)
     assert again.tokens == first.tokens
+
+
+@pytest.mark.parametrize("spec", [None, "nextn", "dspark"], ids=["plain", "nextn", "dspark"])
+def test_every_program_compiles_before_the_first_runs(spec, compiles, monkeypatch):
+    """A prompt of three chunks (a middle chunk's program and the last's, of fewer rows) and, for DSpark, two verify
+    widths (a round program each): all of them are compiled inside one compile_together call, and none after it."""
+    model = lingjax.load()  # the shipped model: NEXTN and its DSpark drafter
+    calls, inside = [], [False]
+    real = precompile.compile_together
+
+    def spy(done, jobs):
+        calls.append(sorted({job.name for job in jobs}))
+        inside[0] = True
+        try:
+            real(done, jobs)
+        finally:
+            inside[0] = False
+    monkeypatch.setattr(engine, "compile_together", spy)
+    outside = []  # the step programs compiled outside it
+    steps = set().union(*PROGRAMS.values())
+    handler_emit = compiles.emit
+
+    def emit(record):
+        handler_emit(record)
+        message = record.getMessage()
+        if not inside[0] and message.startswith("Compiling jit(") and message[14:message.index(")")] in steps:
+            outside.append(message[:60])
+    compiles.emit = emit
+    compiles.names.clear()
+    kwargs = {None: {}, "nextn": dict(spec="nextn", steps=2), "dspark": dict(spec="dspark", widths=(3, 5))}[spec]
+    prompt = list(range(3, 3 + 2 * 32 + 5))  # two full chunks of 32 and a last one of 5 (padded to 32 rows)
+    lingjax.generate(model, prompt, 12, ignore_eos=True, prefill_chunk=32, **kwargs)
+    rounds = {None: "the decode step", "nextn": "the speculative round", "dspark": "the speculative round"}[spec]
+    prefill = "the prefill" if spec is None else "the speculative prefill"
+    assert calls == [sorted({prefill, rounds})], calls
+    assert not outside, outside
+    step_compiles = {name: n for name, n in compiles.names.items() if name in steps}
+    assert sum(step_compiles.values()) == {None: 2, "nextn": 3, "dspark": 4}[spec], step_compiles

@@ -70,8 +70,9 @@ class SpecProgram:
                                  donate_argnums=(1, 2))
             for last in (False, True)
         }
-        self.round = model.step_jit(model.sharded(self._rounds, (weight_specs, state_specs), (state_specs, rep)),
-                                    donate_argnums=(1,))
+        self._round_program = model.step_jit(model.sharded(self._rounds, (weight_specs, state_specs),
+                                                           (state_specs, rep)), donate_argnums=(1,))
+        self.round = self._round_program
 
     @property
     def weights(self) -> tuple:
@@ -80,6 +81,15 @@ class SpecProgram:
 
     def prefill_chunk(self, weights, cache, draft, tokens, start, n_valid, next_token, key, *, last: bool):
         return self._prefill[last](weights, cache, draft, tokens, start, n_valid, next_token, key)
+
+    def prefill_program(self, last: bool):
+        """The jitted program prefill_chunk calls for a middle (last=False) or the last chunk."""
+        return self._prefill[last]
+
+    @property
+    def round_program(self):
+        """The jitted program `round` is (what lingjax.precompile compiles, whatever wraps `round`)."""
+        return self._round_program
 
     def _module(self, weights):
         return self.model._module(weights[0]), weights[1]
