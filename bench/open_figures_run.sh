@@ -13,8 +13,16 @@
 #               decode's census, the DSpark round.
 #   part flash2: (needs an H200) a 2048-token prefill chunk's census (issue 51), the NEXTN (S=3) and DSpark rounds
 #               with the full and a 25% draft vocabulary (issue 52), the serving benchmark's plain decode (8192 in).
+#   part compile: (fits an H100) the compile seconds, cold and warm, of every program the three generation modes
+#               need, on flash18 and mid in fp8, with each mode's programs also compiled at once (issue 51).
+#   part compile_flash: (fits an H100) the same for full Flash's NEXTN and DSpark programs (abstract weights; XLA's
+#               memory limit lifted to an H200's); flash18's TTFT for 512, 2048 and 8192 tokens.
+#   part first_token: (fits an H100) `lingjax generate` on flash18 fp8 (--spec dspark, random drafter, 8192-token
+#               prompt), a cold process (empty cache) then a warm one, for this tree and for BASE (issue 51's
+#               programs compiled together against one by one); each summary line and the process's seconds.
+#               Then issue 52's round times on flash18 (full and 25% draft vocabulary; NEXTN S = 1..7, DSpark 3, 5, 7).
 set -u
-PART=${1:?part guard, small or flash}
+PART=${1:?part guard, small, flash, flash2, compile or compile_flash}
 BASE=${BASE:-.dev/base}
 DEADLINE=${DEADLINE:-555}
 LOGDIR=${LOGDIR:-/tmp/logs}
@@ -57,6 +65,33 @@ elif [[ $PART == flash2 ]]; then
     step serve_flash 240 python bench/serve_bench.py --model flash --weights fp8 --prompt-len 8192 \
         --output-len 1024 --requests 3 --time-budget 60 --out "$OUT/serve_flash.md"
     cp "$LOGDIR/prof_flash_prefill.log" "$OUT/" 2>/dev/null
+elif [[ $PART == compile ]]; then
+    step compile_flash18 360 python bench/compile_bench.py --model flash18 --weights fp8 --kernels pallas \
+        --spec plain nextn dspark --concurrent --out "$OUT/compile_flash18.md"
+    step compile_mid 180 python bench/compile_bench.py --model mid --weights fp8 --kernels pallas \
+        --spec plain nextn dspark --concurrent --out "$OUT/compile_mid.md"
+elif [[ $PART == compile_flash ]]; then
+    step compile_flash 330 python bench/compile_bench.py --model flash --weights fp8 --kernels pallas \
+        --spec nextn dspark --concurrent --xla-option xla_gpu_memory_limit_slop_factor=300 --out "$OUT/compile_flash.md"
+    for n in 512 2048 8192; do
+        step "ttft_$n" 100 python bench/serve_bench.py --model flash18 --weights fp8 --kernels pallas \
+            --prompt-len "$n" --output-len 16 --requests 5 --time-budget 30 --out "$OUT/ttft_$n.md"
+    done
+elif [[ $PART == first_token ]]; then
+    head -c 6144 /dev/urandom | base64 -w0 >/tmp/prompt_8192.txt  # 8192 bytes: 8192 tokens of the byte tokenizer
+    for tree in . "$BASE"; do
+        for pass in cold warm; do
+            name="first_token_$([[ $tree == . ]] && echo new || echo base)_$pass"
+            t0=$(date +%s%N)
+            (cd "$tree" && LINGJAX_CACHE_DIR="/tmp/cache_$(basename "$tree")" PYTHONPATH="$PWD" step "$name" 150 \
+                python -m lingjax.cli generate --model flash18 --weights fp8 --kernels pallas --spec dspark \
+                --draft random --prompt-file /tmp/prompt_8192.txt --max-new-tokens 32 --ignore-eos)
+            echo "  $name: process $((($(date +%s%N) - t0) / 1000000)) ms; $(grep -h "tokens (" "$LOGDIR/$name.log")" \
+                | tee -a "$OUT/steps.md"
+        done
+    done
+    step vocab_flash18 400 python bench/draft_vocab_sweep.py --model flash18 --weights fp8 --kernels pallas \
+        --skip-accept --draft-vocab full,25% --dspark-steps 3,5,7 --out "$OUT/vocab_flash18.md"
 fi
 grep -h "compiled in" "$LOGDIR"/*.log >>"$OUT/steps.md" 2>/dev/null
 for f in "$LOGDIR"/*.log; do
