@@ -95,3 +95,29 @@ def test_mla_decode_lowers(tokens):
     mla = functools.partial(mla_decode_attention, scale=0.07, tokens=tokens, interpret=False)
     args = (S((ROWS, 16, 128), BF), S((ROWS, 16, 64), BF), S((9216, 576), BF), S((16 * 256, 512), BF), S((ROWS,), I32))
     assert _triton_calls(mla, *args) == 2  # split, combine
+
+
+def test_lowering_finds_the_triton_dialects_module_once():
+    """MLIR's bindings find the Triton dialect's Python module (lingjax.pallas.dialect_lookup): lowering a kernel
+    searches sys.path for no dialect module, where without it every op and value of the kernel searched three."""
+    import importlib.abc
+    import sys
+
+    from jaxlib.mlir._mlir_libs import _mlir
+
+    searched = []
+
+    class Probe(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            searched.append(name)
+            return None
+
+    probe = Probe()
+    sys.meta_path.insert(0, probe)
+    try:
+        align = functools.partial(moe_align, tokens=4, block_m=16, interpret=False)
+        assert _triton_calls(align, S((ROWS, K), I32)) == 1
+    finally:
+        sys.meta_path.remove(probe)
+    assert _mlir.globals._check_dialect_module_loaded("tt")
+    assert not [name for name in searched if name.endswith(".tt")], searched[:5]

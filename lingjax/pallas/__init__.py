@@ -13,7 +13,10 @@ from jax.experimental import pallas as pl
 from lingjax import target
 from lingjax.ops.fp8 import Fp8Array
 from lingjax.pallas import instrument
+from lingjax.pallas.dialect_lookup import install as _find_triton_dialect
 from lingjax.stacked import unstack_operands
+
+_find_triton_dialect()
 
 _NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b [N, K]ᵀ
 
