@@ -58,7 +58,8 @@ class _Watch:
         if event == _CACHE_HIT and self.current is not None:
             with self.lock:
                 self.hits += 1
-            self.cached = not self.together
+            if not self.together:  # together() decides from the hits at its end
+                self.cached = True
 
     def on_end(self, event: str, seconds: float, fun_name: str = "", **_) -> None:
         if self.together or event != _COMPILE or _program(fun_name) is None:

@@ -178,17 +178,16 @@ def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tok
               for start, tokens, n_valid, last in _prompt_chunks(prompt, chunk)]
     jobs = [Job("the speculative prefill", program.prefill_program(last),
                 (program.weights, cache, draft, *host, base_key)) for host, last in (chunks[0], chunks[-1])]
+    s, round_ = model.put((np.int32(prompt.size), np.int32(0)))  # round 1's committed length and round count
     if then is not None:
-        # round 1's state: the cache and drafter state as the prefill leaves them, the host's scalars, its own key
-        s, round_, bonus_like = model.put((np.int32(prompt.size), np.int32(0), np.int32(0)))
-        jobs += then(SpecState(cache=cache, draft=draft, s=s, bonus=bonus_like, round=round_,
+        # round 1's state: the cache and drafter state as the prefill leaves them, its scalars, its own key
+        jobs += then(SpecState(cache=cache, draft=draft, s=s, bonus=model.put(np.int32(0)), round=round_,
                                key=jax.random.clone(base_key)))
     compile_together(model.compiled, jobs)
     for host, last in chunks:
         bonus, cache, draft = program.prefill_chunk(program.weights, cache, draft, *host, base_key, last=last)
     # the state is donated to the first round: it gets its own copies of the token the host reads
     # and of the caller's key
-    s, round_ = model.put((np.int32(prompt.size), np.int32(0)))
     state = SpecState(cache=cache, draft=draft, s=s, bonus=jnp.copy(bonus), round=round_,
                       key=jax.random.clone(base_key))
     return bonus, state

@@ -70,9 +70,10 @@ class SpecProgram:
                                  donate_argnums=(1, 2))
             for last in (False, True)
         }
-        self._round_program = model.step_jit(model.sharded(self._rounds, (weight_specs, state_specs),
-                                                           (state_specs, rep)), donate_argnums=(1,))
-        self.round = self._round_program
+        # the jitted round; `round` calls it (what lingjax.precompile compiles, whatever wraps `round`)
+        self.round_program = model.step_jit(model.sharded(self._rounds, (weight_specs, state_specs),
+                                                          (state_specs, rep)), donate_argnums=(1,))
+        self.round = self.round_program
 
     @property
     def weights(self) -> tuple:
@@ -85,11 +86,6 @@ class SpecProgram:
     def prefill_program(self, last: bool):
         """The jitted program prefill_chunk calls for a middle (last=False) or the last chunk."""
         return self._prefill[last]
-
-    @property
-    def round_program(self):
-        """The jitted program `round` is (what lingjax.precompile compiles, whatever wraps `round`)."""
-        return self._round_program
 
     def _module(self, weights):
         return self.model._module(weights[0]), weights[1]
