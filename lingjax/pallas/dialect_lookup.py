@@ -3,9 +3,9 @@
 Before MLIR's Python bindings wrap an op or a type of a dialect, they import the dialect's Python module from
 their search prefixes (jaxlib.mlir.dialects, jaxlib.mosaic.python, jax.jaxlib.mosaic.python), and they remember
 only an import that succeeded. The Triton dialect ("tt") that Pallas's Triton lowering emits keeps its module
-elsewhere (jaxlib.triton.dialect, imported and registered by that lowering), so every op and value of every
-kernel failed three imports again, each a search of sys.path: most of a step program's lowering time, which a
-warm process pays again for every program. Registered under the first prefix, the module is found once; the
+elsewhere (jaxlib.triton.dialect, imported and registered by that lowering), so left alone every op and value of
+every kernel would fail three imports, each a search of sys.path: about half of a step program's lowering time,
+which a warm process pays for every program. Registered under the first prefix, the module is found once; the
 lowered programs are the same text (bench/lowering_bench.py).
 """
 
