@@ -8,10 +8,11 @@ as accept length with the shipped pair, round time on a timing model, and the de
 1. Accept length: the shipped code model and its DSpark drafter on embedded_bench's held-out prompts (greedy, each
    run checked token for token against plain greedy), draft vocabulary over its token_frequencies.npy.
 2. Round time: the speculative round of --model (a preset's random weights, or a checkpoint directory) with the same
-   S and vocabulary sizes, its draft vocabulary over --table (a .npy of vocab-size counts) or, for a preset, a
-   synthetic Zipf table (lingjax.spec.draft_vocab.zipf_counts: the round's time does not depend on which ids are
-   in the subset, only on how many). DSpark rounds take a random drafter shaped for the model (load's
-   draft="random"), S clipped to its block. Rounds dispatched back to back, one block at the end, median of 5.
+   S and vocabulary sizes, its draft vocabulary over --table (a .npy of vocab-size counts), the checkpoint's own
+   table, or else a synthetic Zipf table (lingjax.spec.draft_vocab.zipf_counts: the round's time does not depend
+   on which ids are in the subset, only on how many). DSpark rounds take the checkpoint's own drafter (the shipped
+   model's), else a random drafter shaped for the model (load's draft="random"), S clipped to its block. Rounds
+   dispatched back to back, one block at the end, median of 5.
 3. TPOT = round time / accept length (the write-up's derived step time), and the round and TPOT against the full
    vocabulary's at the same S.
 """
@@ -113,10 +114,13 @@ def round_times(args) -> tuple[dict, str]:
     import lingjax
     from lingjax import engine, loading
     from lingjax.sampling import SamplingParams
-    from lingjax.spec import draft_vocab, step
+    from lingjax.spec import draft_vocab, dspark, step
 
-    model = lingjax.load(args.model, weights=args.weights, kernels=args.kernels, tp=args.tp, draft="random")
-    table = (draft_vocab.read_table(args.table, model.cfg.vocab_size) if args.table
+    model = lingjax.load(args.model, weights=args.weights, kernels=args.kernels, tp=args.tp, draft="auto")
+    if model.draft is None:  # a preset: a random drafter shaped for it (the round's time, not its accept)
+        model = model.with_draft(dspark.random_dspark(dspark.default_config(model.cfg), "bfloat16"))
+    own = Path(model.source) / draft_vocab.TABLE_NAME  # a checkpoint's own table (the shipped model has one)
+    table = (draft_vocab.read_table(args.table or own, model.cfg.vocab_size) if args.table or own.is_file()
              else draft_vocab.zipf_counts(model.cfg.vocab_size))
     models = {v: loading.with_draft_vocab(model, loading.draft_vocab_ids(v, table, model.cfg, None, args.tp))
               for v in args.vocabs}
@@ -146,7 +150,8 @@ def round_times(args) -> tuple[dict, str]:
     dev = jax.devices()[0]
     desc = (f"{args.model} ({args.weights} weights, kernels {model.kernels}, tp {args.tp}) on {dev.device_kind}; "
             f"prompt {args.context} tokens, {args.rounds} rounds a batch, median of 5; draft vocabulary over "
-            f"{args.table or 'a Zipf table'}; DSpark: a random drafter, block {model.draft.cfg.block_size}")
+            f"{args.table or (own if own.is_file() else 'a Zipf table')}; DSpark: "
+            f"drafter {model.draft.source}, block {model.draft.cfg.block_size}")
     return out, desc
 
 

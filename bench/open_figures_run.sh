@@ -21,8 +21,11 @@
 #               prompt), a cold process (empty cache) then a warm one, for this tree and for BASE (issue 51's
 #               programs compiled together against one by one); each summary line and the process's seconds.
 #               Then issue 52's round times on flash18 (full and 25% draft vocabulary; NEXTN S = 1..7, DSpark 3, 5, 7).
+#   part sweep: (fits an H100) issue 52's round times of the shipped pair (NEXTN S = 1..7, DSpark 3..15) and of
+#               flash18's DSpark widths (full and 25% draft vocabulary; SKIP_FLASH18=1: not); issue 51's warm first token on flash18 with the
+#               Triton dialect alias (lingjax/pallas/dialect_lookup.py) against without, alternating processes.
 set -u
-PART=${1:?part guard, small, flash, flash2, compile or compile_flash}
+PART=${1:?part guard, small, flash, flash2, compile, compile_flash, first_token or sweep}
 BASE=${BASE:-.dev/base}
 DEADLINE=${DEADLINE:-555}
 LOGDIR=${LOGDIR:-/tmp/logs}
@@ -92,6 +95,24 @@ elif [[ $PART == first_token ]]; then
     done
     step vocab_flash18 400 python bench/draft_vocab_sweep.py --model flash18 --weights fp8 --kernels pallas \
         --skip-accept --draft-vocab full,25% --dspark-steps 3,5,7 --out "$OUT/vocab_flash18.md"
+elif [[ $PART == sweep ]]; then
+    step sweep_shipped 260 python bench/draft_vocab_sweep.py --model checkpoints/ling-code-tiny --kernels pallas \
+        --skip-accept --draft-vocab full --rounds 200 --out "$OUT/sweep_shipped.md"
+    [[ ${SKIP_FLASH18:-} ]] || step sweep_flash18_dspark 220 python bench/draft_vocab_sweep.py --model flash18 --weights fp8 --kernels pallas \
+        --skip-accept --nextn-steps "" --dspark-steps 3,5,7 --draft-vocab full,25% --out "$OUT/sweep_flash18_dspark.md"
+    head -c 6144 /dev/urandom | base64 -w0 >/tmp/prompt_8192.txt
+    export LINGJAX_CACHE_DIR=/tmp/cache_alias
+    n=0
+    for pass in cold with without with without; do  # the alias popped by hand in the "without" processes
+        t0=$(date +%s%N)
+        step "alias_$pass$((++n))" 100 python -c "import runpy, sys, lingjax.pallas
+if sys.argv[1] == 'without': sys.modules.pop('jaxlib.mlir.dialects.tt')
+sys.argv[:2] = ['lingjax']; runpy.run_module('lingjax.cli', run_name='__main__')" "$pass" generate --model flash18 \
+            --weights fp8 --kernels pallas --spec dspark --draft random --prompt-file /tmp/prompt_8192.txt \
+            --max-new-tokens 32 --ignore-eos
+        echo "  alias_$pass$n: process $((($(date +%s%N) - t0) / 1000000)) ms; $(grep -h "tokens (\|compiled" \
+            "$LOGDIR/alias_$pass$n.log" | tr '\n' ' ')" | tee -a "$OUT/steps.md"
+    done
 fi
 grep -h "compiled in" "$LOGDIR"/*.log >>"$OUT/steps.md" 2>/dev/null
 for f in "$LOGDIR"/*.log; do

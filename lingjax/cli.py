@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from lingjax import interrupts
+from lingjax.config import DEFAULT_STEPS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +70,7 @@ def _add_run_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--spec", choices=["nextn", "dspark"], default=None,
                    help="speculate: nextn with the MTP layer, dspark with a DSpark drafter (--draft)")
     p.add_argument("--steps", type=int, default=None, help="drafts per speculative round with --spec (nextn: "
-                                                           "default 5; dspark: the drafter's block size)")
+                   f"default {DEFAULT_STEPS}; dspark: the drafter's block size)")
     p.add_argument("--widths", type=_ids, default=None, metavar="W,W,...",
                    help="--spec dspark: verify widths to choose from each round by the drafter's confidence "
                         "(instead of a fixed --steps)")

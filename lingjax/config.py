@@ -27,6 +27,9 @@ MOE = "moe"
 # rows (the real ones first, zero-padded), so a row rounds the same in a T = 1 decode and in a verify
 # (lingjax.model); the KDA conv ring holds this many slots past the window (lingjax.cache).
 VERIFY_ROWS = 16
+# NEXTN's drafts per round when a request names none: the shortest round time per accepted token on the shipped
+# pair and at Flash's width alike (docs/speculation.md, choosing the depth).
+DEFAULT_STEPS = 3
 
 
 class ConfigError(ValueError):

@@ -254,10 +254,10 @@ def generate(model: Model, prompt, max_new_tokens: int = 32, temperature: float 
     Stops at any of stop_ids or the tokenizer's stop ids (the config's EOS ids without a tokenizer) unless
     ignore_eos. on_token(id) is called as each token reaches the host; on_text(str) with the new text of each
     device call (streamed exactly: lingjax.detokenize), so under speculation text arrives in bursts of accepted
-    tokens. spec="nextn" speculates with the MTP layer, `steps` drafts a round (5 unless given; greedy output
-    is identical to spec=None); spec="dspark" with the model's DSpark drafter (model.draft; `steps` drafts of its
-    block are verified, all of them unless given; or, with `widths` (verify widths, each compiled once), the host
-    picks each call's width from the drafter's confidences of earlier rounds:
+    tokens. spec="nextn" speculates with the MTP layer, `steps` drafts a round (lingjax.config.DEFAULT_STEPS unless
+    given; greedy output is identical to spec=None); spec="dspark" with the model's DSpark drafter (model.draft;
+    `steps` drafts of its block are verified, all of them unless given; or, with `widths` (verify widths, each
+    compiled once), the host picks each call's width from the drafter's confidences of earlier rounds:
     lingjax.spec.width_schedule.WidthSchedule);
     `drafter` plugs in any other drafter object. rounds_per_call > 1 runs that many
     speculative rounds (or plain decode steps) per device call: the host's fixed cost per call is shared and

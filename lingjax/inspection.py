@@ -145,8 +145,8 @@ class _ReportingDrafts:
 
 def speculate(model, token_ids, spec: str = "nextn", rounds: int = 8, steps: int | None = None):
     """Greedy speculative generation after the prompt token_ids, `rounds` rounds of the engine's own program ->
-    (the first token, from the prefill; [Round, ...]). spec: "nextn" (the MTP chain, `steps` drafts, default 5)
-    or "dspark" (model.draft, its block size unless `steps`)."""
+    (the first token, from the prefill; [Round, ...]). spec: "nextn" (the MTP chain, `steps` drafts, default
+    lingjax.config.DEFAULT_STEPS) or "dspark" (model.draft, its block size unless `steps`)."""
     from lingjax import engine
     from lingjax.sampling import SamplingParams
     from lingjax.spec import step as spec_step

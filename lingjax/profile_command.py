@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from lingjax import cli
+from lingjax.config import DEFAULT_STEPS
 
 PROGRAMS = ("decode", "nextn", "dspark", "prefill")  # lingjax.steady.PROGRAMS (not imported: no jax before a command)
 
@@ -31,7 +32,7 @@ def _add_common(p: argparse.ArgumentParser, *, pairs: bool) -> None:
                    help="decode: the T=1 step; nextn: a NEXTN (MTP chain) round; dspark: a DSpark round; prefill: "
                         "one prompt chunk of --prompt-len tokens")
     p.add_argument("--steps", type=int, default=None,
-                   help="drafts per round (nextn: default 5; dspark: the drafter's block size)")
+                   help=f"drafts per round (nextn: default {DEFAULT_STEPS}; dspark: the drafter's block size)")
     p.add_argument("--n", type=int, default=10, help="steady-state steps timed and traced")
     p.add_argument("--prompt-len", type=int, default=32,
                    help="prompt tokens (random ids) before the steps; --program prefill: the chunk's tokens")

@@ -11,10 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lingjax.config import VERIFY_ROWS, LingConfig
+from lingjax.config import DEFAULT_STEPS, VERIFY_ROWS, LingConfig
 
 SPEC_METHODS = ("nextn", "dspark")
-DEFAULT_STEPS = 5  # NEXTN's drafts per round when a request names none
 # Prompt tokens per prefill program (a power of two). Each chunk touches every routed expert, so each
 # reads all the weights: fewer, longer chunks read them fewer times (docs/engine.md).
 PREFILL_CHUNK = 2048

@@ -56,10 +56,10 @@ class Steady:
 
 def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = None, per_call: int = 1) -> Steady:
     """The steady state of `program` (PROGRAMS) on `model` after `prompt` (int32 [P]; prefill: the chunk), greedy.
-    steps: drafts per round (nextn: default 5 as lingjax.requests; dspark: the drafter's block size). per_call:
-    steps (decode) or rounds run in one device call (a lax.scan: rounds_per_call); a call then outputs per_call
-    steps' results. The cache has room for 6 tokens a step of n calls (what bench/step_bench has always timed: an
-    MLA step reads its whole cache, so the room is part of the figure)."""
+    steps: drafts per round (nextn: default lingjax.config.DEFAULT_STEPS; dspark: the drafter's block size).
+    per_call: steps (decode) or rounds run in one device call (a lax.scan: rounds_per_call); a call then outputs
+    per_call steps' results. The cache has room for 6 tokens a step of n calls (what bench/step_bench has always
+    timed: an MLA step reads its whole cache, so the room is part of the figure)."""
     from lingjax import engine
     from lingjax.sampling import SamplingParams
     from lingjax.spec import step as spec_step

@@ -13,11 +13,10 @@ import pytest
 from jax._src.pallas.triton import gpu_info
 
 from conftest import FIXTURES, key_for, rel_err
-from lingjax.config import VERIFY_ROWS, LingConfig, preset
+from lingjax.config import DEFAULT_STEPS, VERIFY_ROWS, LingConfig, preset
 from lingjax.engine import cache_capacity
 from lingjax.ops import mla
 from lingjax.pallas.mla_decode import MLATuning, mla_decode_attention, supports
-from lingjax.requests import DEFAULT_STEPS
 
 N, R, V, RANK = 16, 8, 16, 32  # nope, rope, value head dims and the latent rank (small; Flash: 128/64/128/512)
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-4}  # bf16: q and p in two bf16 halves each (~2^-16 per product)
