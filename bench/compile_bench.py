@@ -9,9 +9,9 @@ The weights are abstract (shapes only, on the first device), so any preset compi
 runs: the figures are the host's work before a first call, the part of a first token (and of a warm-up request)
 that is not the GPU's. The programs are those `lingjax generate` compiles for a prompt of --prompt-len tokens:
 - plain: the prefill of one chunk and the T=1 decode step;
-- nextn, dspark: the speculative prefill of a chunk (a middle chunk, when the prompt has more than one, and the
-  last), then the round (NEXTN at --steps drafts; DSpark: a random drafter of the released Ling draft's shape,
-  verifying its whole block, as bench/step_bench.py --dspark).
+- nextn, dspark: the speculative prefill of a chunk (one program for every chunk), then the round (NEXTN at
+  --steps drafts; DSpark: a random drafter of the released Ling draft's shape, verifying its whole block, as
+  bench/step_bench.py --dspark).
 Each pass is a new process; both share one persistent compilation cache, empty before the first:
 - cold: an empty cache, as on a new machine (XLA compiles every program);
 - warm: the cache the cold pass filled, as a second process (tracing and lowering again, then a cache read).
@@ -85,7 +85,6 @@ def programs(model, spec: str, args):
     sampling = SamplingParams()
     rows = engine.prefill_bucket(min(args.prompt_len, PREFILL_CHUNK))
     tokens = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=device)
-    chunks = -(-args.prompt_len // PREFILL_CHUNK)
     if spec == "plain":
         capacity = engine.cache_capacity(args.prompt_len, args.new_tokens)
         cache = typed(jax.eval_shape(lambda: model.new_cache(capacity)), device)
@@ -113,11 +112,9 @@ def programs(model, spec: str, args):
     draft_state = typed(jax.eval_shape(lambda: drafter.init(model.module, capacity)), device)
     weights = (model.weights, typed(program.draft_params, device))
     state = SpecState(cache=cache, draft=draft_state, s=i32, bonus=i32, round=i32, key=key)
-    chunk_args = (weights, cache, draft_state, tokens, i32, i32, i32, key)
-    out = []
-    if chunks > 1:
-        out.append((f"{spec} prefill chunk ({rows} rows)", program._prefill[False], chunk_args))
-    out.append((f"{spec} last prefill chunk ({rows} rows)", program._prefill[True], chunk_args))
+    last = jax.ShapeDtypeStruct((), jnp.bool_, sharding=device)
+    chunk_args = (weights, cache, draft_state, tokens, i32, i32, i32, last, key)
+    out = [(f"{spec} prefill chunk ({rows} rows)", program.prefill_program, chunk_args)]
     width = drafter.steps + 1
     out.append((f"{spec} round (verify {width})", program.round, (weights, state)))
     return out

@@ -4,7 +4,7 @@ against without it, each pass a new process, alternating.
     python bench/lowering_bench.py --model flash18 --rounds 3 --out lowering.md
 
 A warm process (its programs in the persistent cache) still traces and lowers every program before the cache can
-answer, so lowering is part of a warm start's first token. The programs: the NEXTN round (S = 3), the last prefill
+answer, so lowering is part of a warm start's first token. The programs: the NEXTN round (S = 3), a prefill
 chunk (2048 rows) and the decode step, over abstract weights in fp8 with the Pallas kernels, lowered for "cuda"
 (Pallas's Triton lowering runs on the host; nothing compiles). Each pass also counts the imports MLIR's bindings
 search sys.path for the Triton dialect's Python module (".tt"), and hashes each program's lowered text: the two
@@ -65,8 +65,8 @@ def one_pass(model_name: str, variant: str) -> dict:
         state = SpecState(cache=cache, draft=draft, s=i32, bonus=i32, round=i32, key=key)
         chunk = jax.ShapeDtypeStruct((2048,), jnp.int32)
         programs = [("NEXTN round (S = 3)", program.round_program, (program.weights, state)),
-                    ("last prefill chunk (2048 rows)", program.prefill_program(True),
-                     (program.weights, cache, draft, chunk, i32, i32, i32, key)),
+                    ("prefill chunk (2048 rows)", program.prefill_program,
+                     (program.weights, cache, draft, chunk, i32, i32, i32, jax.ShapeDtypeStruct((), jnp.bool_), key)),
                     ("decode step", decode, (model.weights, cache, i32, i32, key))]
         sys.meta_path.insert(0, Probe())
         for name, fn, args in programs:

@@ -173,19 +173,19 @@ def spec_prefill(model: Model, program, drafter, prompt: np.ndarray, max_new_tok
     # a call of rounds_per_call rounds advances s by up to that many verify widths
     capacity = cache_capacity(prompt.size, max_new_tokens, (drafter.steps + 1) * program.rounds_per_call, chunk)
     cache, draft = model.new_cache(capacity), model.put(drafter.init(model.module, capacity))
-    chunks = [(model.put((tokens, np.int32(start), np.int32(n_valid),
-                          np.int32(0 if last else prompt[start + n_valid]))), last)
+    chunks = [model.put((tokens, np.int32(start), np.int32(n_valid), np.int32(0 if last else prompt[start + n_valid]),
+                         np.bool_(last)))
               for start, tokens, n_valid, last in _prompt_chunks(prompt, chunk)]
-    jobs = [Job("the speculative prefill", program.prefill_program(last),
-                (program.weights, cache, draft, *host, base_key)) for host, last in (chunks[0], chunks[-1])]
+    jobs = [Job("the speculative prefill", program.prefill_program,
+                (program.weights, cache, draft, *chunks[i], base_key)) for i in (0, -1)]
     s, round_ = model.put((np.int32(prompt.size), np.int32(0)))  # round 1's committed length and round count
     if then is not None:
         # round 1's state: the cache and drafter state as the prefill leaves them, its scalars, its own key
         jobs += then(SpecState(cache=cache, draft=draft, s=s, bonus=model.put(np.int32(0)), round=round_,
                                key=jax.random.clone(base_key)))
     compile_together(model.compiled, jobs)
-    for host, last in chunks:
-        bonus, cache, draft = program.prefill_chunk(program.weights, cache, draft, *host, base_key, last=last)
+    for host in chunks:
+        bonus, cache, draft = program.prefill_program(program.weights, cache, draft, *host, base_key)
     # the state is donated to the first round: it gets its own copies of the token the host reads
     # and of the caller's key
     state = SpecState(cache=cache, draft=draft, s=s, bonus=jnp.copy(bonus), round=round_,

@@ -11,7 +11,6 @@ cliques, re-recorded CUDA graphs), which the rounds of one call share.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -63,13 +62,10 @@ class SpecProgram:
         weight_specs = (model.weight_specs, draft_vocab.specs(self.draft_params))
         draft_specs = jax.tree.map(lambda _: rep, jax.eval_shape(lambda: drafter.init(model.module, 1)))
         state_specs = SpecState(cache=model.cache_specs, draft=draft_specs, s=rep, bonus=rep, round=rep, key=rep)
-        chunk_specs = ((weight_specs, model.cache_specs, draft_specs) + (rep,) * 5, (rep, model.cache_specs,
+        chunk_specs = ((weight_specs, model.cache_specs, draft_specs) + (rep,) * 6, (rep, model.cache_specs,
                                                                                   draft_specs))
-        self._prefill = {
-            last: model.step_jit(model.sharded(functools.partial(self._prefill_chunk, last=last), *chunk_specs),
-                                 donate_argnums=(1, 2))
-            for last in (False, True)
-        }
+        # one program for every chunk of a prompt (what lingjax.precompile compiles), the last one's flag a value
+        self.prefill_program = model.step_jit(model.sharded(self._prefill_chunk, *chunk_specs), donate_argnums=(1, 2))
         # the jitted round; `round` calls it (what lingjax.precompile compiles, whatever wraps `round`)
         self.round_program = model.step_jit(model.sharded(self._rounds, (weight_specs, state_specs),
                                                           (state_specs, rep)), donate_argnums=(1,))
@@ -80,26 +76,21 @@ class SpecProgram:
         """What every program of this one takes first: (the model's weights, the drafter's params)."""
         return self.model.weights, self.draft_params
 
-    def prefill_chunk(self, weights, cache, draft, tokens, start, n_valid, next_token, key, *, last: bool):
-        return self._prefill[last](weights, cache, draft, tokens, start, n_valid, next_token, key)
-
-    def prefill_program(self, last: bool):
-        """The jitted program prefill_chunk calls for a middle (last=False) or the last chunk."""
-        return self._prefill[last]
-
     def _module(self, weights):
         return self.model._module(weights[0]), weights[1]
 
-    def _prefill_chunk(self, weights, cache, draft, tokens, start, n_valid, next_token, key, last: bool):
-        """One prompt chunk through the target, then through the drafter. On the last chunk the
-        token after the prompt is the target's own first token b, sampled here."""
+    def _prefill_chunk(self, weights, cache, draft, tokens, start, n_valid, next_token, last, key):
+        """One prompt chunk through the target, then through the drafter -> (the token after the chunk, cache,
+        draft). next_token: the prompt's token after the chunk; on the last chunk (`last`, a bool) it is the
+        target's own first token b instead, sampled here. Every chunk samples, so that one program serves them all
+        (one program fewer to trace and compile per generation; a middle chunk's sample, one lm_head row, is
+        dropped)."""
         module, params = self._module(weights)
         ex = self.model.ex
         hidden, cache, features = module.forward_features(tokens, cache, start, n_valid, ex,
                                                           self.drafter.feature_layers)
-        if last:
-            logits = module.lm_logits(jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False), ex=ex)
-            next_token = sample(logits, jax.random.fold_in(key, 0), self.sampling, ex)
+        logits = module.lm_logits(jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False), ex=ex)
+        next_token = jnp.where(last, sample(logits, jax.random.fold_in(key, 0), self.sampling, ex), next_token)
         rows = TargetRows(tokens=tokens, hidden=hidden, features=features, start=start, n_valid=n_valid)
         draft = self.drafter.prefill(module, params, draft, rows, next_token, ex)
         return next_token, cache, draft
