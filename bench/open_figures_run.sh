@@ -18,12 +18,14 @@
 #   part compile_flash: (fits an H100) the same for full Flash's NEXTN and DSpark programs (abstract weights; XLA's
 #               memory limit lifted to an H200's); flash18's TTFT for 512, 2048 and 8192 tokens.
 #   part first_token: (fits an H100) `lingjax generate` on flash18 fp8 (--spec dspark, random drafter, 8192-token
-#               prompt), a cold process (empty cache) then a warm one, for this tree and for BASE (issue 51's
-#               programs compiled together against one by one); each summary line and the process's seconds.
-#               Then issue 52's round times on flash18 (full and 25% draft vocabulary; NEXTN S = 1..7, DSpark 3, 5, 7).
+#               prompt), a cold process (empty cache) then two warm ones, for this tree and for BASE, alternating
+#               (each summary line and the process's seconds).
+#               Then (unless SKIP_FLASH18=1) issue 52's round times on flash18 (full and 25% draft vocabulary; NEXTN
+#               S = 1..7, DSpark 3, 5, 7).
 #   part sweep: (fits an H100) issue 52's round times of the shipped pair (NEXTN S = 1..7, DSpark 3..15) and of
-#               flash18's DSpark widths (full and 25% draft vocabulary; SKIP_FLASH18=1: not); issue 51's warm first token on flash18 with the
-#               Triton dialect alias (lingjax/pallas/dialect_lookup.py) against without, alternating processes.
+#               flash18's DSpark widths (full and 25% draft vocabulary; SKIP_FLASH18=1: not); issue 51's warm first
+#               token on flash18 with the Triton dialect alias (lingjax/pallas/dialect_lookup.py) against without,
+#               alternating processes.
 set -u
 PART=${1:?part guard, small, flash, flash2, compile, compile_flash, first_token or sweep}
 BASE=${BASE:-.dev/base}
@@ -82,9 +84,10 @@ elif [[ $PART == compile_flash ]]; then
     done
 elif [[ $PART == first_token ]]; then
     head -c 6144 /dev/urandom | base64 -w0 >/tmp/prompt_8192.txt  # 8192 bytes: 8192 tokens of the byte tokenizer
-    for tree in . "$BASE"; do
-        for pass in cold warm; do
-            name="first_token_$([[ $tree == . ]] && echo new || echo base)_$pass"
+    n=0
+    for pass in cold warm warm; do  # each tree's cold process, then two warm ones, the trees alternating
+        for tree in . "$BASE"; do
+            name="first_token_$([[ $tree == . ]] && echo new || echo base)_$pass$((++n))"
             t0=$(date +%s%N)
             (cd "$tree" && LINGJAX_CACHE_DIR="/tmp/cache_$(basename "$tree")" PYTHONPATH="$PWD" step "$name" 150 \
                 python -m lingjax.cli generate --model flash18 --weights fp8 --kernels pallas --spec dspark \
@@ -93,13 +96,14 @@ elif [[ $PART == first_token ]]; then
                 | tee -a "$OUT/steps.md"
         done
     done
-    step vocab_flash18 400 python bench/draft_vocab_sweep.py --model flash18 --weights fp8 --kernels pallas \
-        --skip-accept --draft-vocab full,25% --dspark-steps 3,5,7 --out "$OUT/vocab_flash18.md"
+    [[ ${SKIP_FLASH18:-} ]] || step vocab_flash18 400 python bench/draft_vocab_sweep.py --model flash18 --weights fp8 \
+        --kernels pallas --skip-accept --draft-vocab full,25% --dspark-steps 3,5,7 --out "$OUT/vocab_flash18.md"
 elif [[ $PART == sweep ]]; then
     step sweep_shipped 260 python bench/draft_vocab_sweep.py --model checkpoints/ling-code-tiny --kernels pallas \
         --skip-accept --draft-vocab full --rounds 200 --out "$OUT/sweep_shipped.md"
-    [[ ${SKIP_FLASH18:-} ]] || step sweep_flash18_dspark 220 python bench/draft_vocab_sweep.py --model flash18 --weights fp8 --kernels pallas \
-        --skip-accept --nextn-steps "" --dspark-steps 3,5,7 --draft-vocab full,25% --out "$OUT/sweep_flash18_dspark.md"
+    [[ ${SKIP_FLASH18:-} ]] || step sweep_flash18_dspark 220 python bench/draft_vocab_sweep.py --model flash18 \
+        --weights fp8 --kernels pallas --skip-accept --nextn-steps "" --dspark-steps 3,5,7 --draft-vocab full,25% \
+        --out "$OUT/sweep_flash18_dspark.md"
     head -c 6144 /dev/urandom | base64 -w0 >/tmp/prompt_8192.txt
     export LINGJAX_CACHE_DIR=/tmp/cache_alias
     n=0
