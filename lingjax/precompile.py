@@ -1,7 +1,7 @@
 """A generation's programs compiled together, before the first of them runs.
 
 Compiling one program is mostly XLA's work on one host thread, and a generation needs several (the prefill of a
-chunk, of the last chunk, the decode step or the speculative round): compiled one after another at their first
+chunk, of a shorter last chunk, the decode step or the speculative round): compiled one after another at their first
 calls, a first request waits for their sum. Here each is traced and lowered in turn (Python's part), then XLA
 compiles them all at once on a thread pool, so the wait is about the slowest one. jit keeps what was compiled for
 those arguments: the calls that follow compile nothing (tests/test_compile_once.py). bench/compile_bench.py
