@@ -83,7 +83,7 @@ class SpecProgram:
         """One prompt chunk through the target, then through the drafter -> (the token after the chunk, cache,
         draft). next_token: the prompt's token after the chunk; on the last chunk (`last`, a bool) it is the
         target's own first token b instead, sampled here. Every chunk samples, so that one program serves them all
-        (one program fewer to trace and compile per generation; a middle chunk's sample, one lm_head row, is
+        and a generation traces and compiles one prefill program (a middle chunk's sample, one lm_head row, is
         dropped)."""
         module, params = self._module(weights)
         ex = self.model.ex
