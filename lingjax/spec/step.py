@@ -82,9 +82,8 @@ class SpecProgram:
     def _prefill_chunk(self, weights, cache, draft, tokens, start, n_valid, next_token, last, key):
         """One prompt chunk through the target, then through the drafter -> (the token after the chunk, cache,
         draft). next_token: the prompt's token after the chunk; on the last chunk (`last`, a bool) it is the
-        target's own first token b instead, sampled here. Every chunk samples, so that one program serves them all
-        and a generation traces and compiles one prefill program (a middle chunk's sample, one lm_head row, is
-        dropped)."""
+        target's own first token b instead, sampled here. Every chunk samples, so that one program serves every chunk
+        of a padded size, the last one's too (a middle chunk's sample, one lm_head row, is dropped)."""
         module, params = self._module(weights)
         ex = self.model.ex
         hidden, cache, features = module.forward_features(tokens, cache, start, n_valid, ex,
