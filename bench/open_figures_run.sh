@@ -18,7 +18,7 @@
 #   part compile_flash: (fits an H100) the same for full Flash's NEXTN and DSpark programs (abstract weights; XLA's
 #               memory limit lifted to an H200's); flash18's TTFT for 512, 2048 and 8192 tokens.
 #   part first_token: (fits an H100) `lingjax generate` on flash18 fp8 (--spec dspark, random drafter, 8192-token
-#               prompt), a cold process (empty cache) then two warm ones, for this tree and for BASE, alternating
+#               prompt), a cold process (empty cache) then two warm ones (PASSES), for this tree and BASE, alternating
 #               (each summary line and the process's seconds).
 #               Then (unless SKIP_FLASH18=1) issue 52's round times on flash18 (full and 25% draft vocabulary; NEXTN
 #               S = 1..7, DSpark 3, 5, 7).
@@ -85,7 +85,7 @@ elif [[ $PART == compile_flash ]]; then
 elif [[ $PART == first_token ]]; then
     head -c 6144 /dev/urandom | base64 -w0 >/tmp/prompt_8192.txt  # 8192 bytes: 8192 tokens of the byte tokenizer
     n=0
-    for pass in cold warm warm; do  # each tree's cold process, then two warm ones, the trees alternating
+    for pass in ${PASSES:-cold warm warm}; do  # each tree's cold process, then warm ones, the trees alternating
         for tree in . "$BASE"; do
             name="first_token_$([[ $tree == . ]] && echo new || echo base)_$pass$((++n))"
             t0=$(date +%s%N)
