@@ -117,7 +117,7 @@ def round_times(args) -> tuple[dict, str]:
     from lingjax.spec import draft_vocab, dspark, step
 
     model = lingjax.load(args.model, weights=args.weights, kernels=args.kernels, tp=args.tp, draft="auto")
-    if model.draft is None:  # a preset: a random drafter shaped for it (the round's time, not its accept)
+    if model.draft is None:  # no drafter of its own (a preset): a random one shaped for it (times, not accepts)
         model = model.with_draft(dspark.random_dspark(dspark.default_config(model.cfg), "bfloat16"))
     own = Path(model.source) / draft_vocab.TABLE_NAME  # a checkpoint's own table (the shipped model has one)
     table = (draft_vocab.read_table(args.table or own, model.cfg.vocab_size) if args.table or own.is_file()
