@@ -24,6 +24,7 @@ the device's memory) to stand in for an H200's.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -176,8 +177,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=1024, help="tokens generated (the cache's capacity)")
     p.add_argument("--concurrent", action="store_true",
                    help="also a cold pass that compiles each generation's programs at once, on a thread pool")
-    p.add_argument("--pass-name", default=None, help=argparse_hidden())
-    p.add_argument("--cache-dir", default=None, help=argparse_hidden())
+    p.add_argument("--pass-name", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:
         args.model, args.prompt_len, args.new_tokens, args.kernels = "tiny", 100, 16, "xla"
@@ -239,12 +240,6 @@ def programs_seconds(rows: list[dict], pass_name: str) -> float:
 def spec_of(name: str) -> str:
     first = name.split()[0]
     return first if first in SPECS else "plain"
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ variants must lower the same text.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.abc
 import json
@@ -23,8 +24,6 @@ import time
 
 import common
 from common import Report, heading, parser
-
-ALIAS = "jaxlib.mlir.dialects.tt"
 
 
 def one_pass(model_name: str, variant: str) -> dict:
@@ -37,6 +36,7 @@ def one_pass(model_name: str, variant: str) -> dict:
     from lingjax import engine, target
     from lingjax import model as model_lib
     from lingjax.config import preset
+    from lingjax.pallas.dialect_lookup import ALIAS
     from lingjax.runtime import Model, RunOptions
     from lingjax.sampling import SamplingParams
     from lingjax.spec.step import SpecState, spec_program
@@ -82,7 +82,7 @@ def main() -> None:
     p.add_argument("--model", default="flash18")
     p.add_argument("--rounds", type=int, default=3, help="pairs of passes (without, with), alternating")
     p.add_argument("--out", default=None)
-    p.add_argument("--child", nargs=2, default=None, help=argparse_hidden())
+    p.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(one_pass(*args.child)))
@@ -109,12 +109,6 @@ def main() -> None:
             "")
     say(f"- imports searched for the Triton dialect's module a pass: without {passes['without'][0]['searches']}, "
         f"with {passes['with'][0]['searches']}; {args.rounds} passes each, alternating, medians")
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ class SpecProgram:
         state_specs = SpecState(cache=model.cache_specs, draft=draft_specs, s=rep, bonus=rep, round=rep, key=rep)
         chunk_specs = ((weight_specs, model.cache_specs, draft_specs) + (rep,) * 6, (rep, model.cache_specs,
                                                                                   draft_specs))
-        # one program for every chunk of a prompt (what lingjax.precompile compiles), the last one's flag a value
+        # one program for the chunks of a padded size, the last one's too (its flag is an argument)
         self.prefill_program = model.step_jit(model.sharded(self._prefill_chunk, *chunk_specs), donate_argnums=(1, 2))
         # the jitted round; `round` calls it (what lingjax.precompile compiles, whatever wraps `round`)
         self.round_program = model.step_jit(model.sharded(self._rounds, (weight_specs, state_specs),
