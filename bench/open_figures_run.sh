@@ -92,7 +92,7 @@ elif [[ $PART == first_token ]]; then
             (cd "$tree" && LINGJAX_CACHE_DIR="/tmp/cache_$(basename "$tree")" PYTHONPATH="$PWD" step "$name" 150 \
                 python -m lingjax.cli generate --model flash18 --weights fp8 --kernels pallas --spec dspark \
                 --draft random --prompt-file /tmp/prompt_8192.txt --max-new-tokens 32 --ignore-eos)
-            echo "  $name: process $((($(date +%s%N) - t0) / 1000000)) ms; $(grep -h "tokens (" "$LOGDIR/$name.log")" \
+            echo "  $name: process $((($(date +%s%N) - t0) / 1000000)) ms; $(grep -ah "tokens (" "$LOGDIR/$name.log")" \
                 | tee -a "$OUT/steps.md"
         done
     done
@@ -114,11 +114,11 @@ if sys.argv[1] == 'without': sys.modules.pop('jaxlib.mlir.dialects.tt')
 sys.argv[:2] = ['lingjax']; runpy.run_module('lingjax.cli', run_name='__main__')" "$pass" generate --model flash18 \
             --weights fp8 --kernels pallas --spec dspark --draft random --prompt-file /tmp/prompt_8192.txt \
             --max-new-tokens 32 --ignore-eos
-        echo "  alias_$pass$n: process $((($(date +%s%N) - t0) / 1000000)) ms; $(grep -h "tokens (\|compiled" \
+        echo "  alias_$pass$n: process $((($(date +%s%N) - t0) / 1000000)) ms; $(grep -ah "tokens (\|compiled" \
             "$LOGDIR/alias_$pass$n.log" | tr '\n' ' ')" | tee -a "$OUT/steps.md"
     done
 fi
-grep -h "compiled in" "$LOGDIR"/*.log >>"$OUT/steps.md" 2>/dev/null
+grep -ah "compiled in" "$LOGDIR"/*.log >>"$OUT/steps.md" 2>/dev/null
 for f in "$LOGDIR"/*.log; do
     { echo; echo "## tail of $(basename "$f")"; tail -n 25 "$f"; } >>"$OUT/steps.md"
 done
