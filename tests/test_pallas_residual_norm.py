@@ -11,7 +11,7 @@ from jax._src.pallas.triton import gpu_info
 from conftest import key_for, rel_err
 from lingjax.ops.norms import residual_rms_norm, rms_norm
 from lingjax.pallas.grid_dependency import WAIT_ASM
-from lingjax.pallas.residual_norm import residual_norm, supports
+from lingjax.pallas.residual_norm import ResidualNormTuning, residual_norm, supports
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 S = jax.ShapeDtypeStruct
@@ -67,6 +67,18 @@ def test_residual_norm_argument_errors():
     assert "pieces" in supports(S((16, 2560 * 9), BF16), S((1, 16, 2560 * 9), F32), S((2560 * 9,), BF16))
     assert "pieces" in supports(S((16, 24), BF16), S((1, 16, 24), F32), S((24,), BF16))
     assert supports(S((16, 2560), BF16), S((8, 16, 2560), F32), S((2560,), BF16)) is None
+    assert "chunk of 384" in supports(S((16, 2560), BF16), S((8, 16, 2560), F32), S((2560,), BF16),
+                                      tuning=ResidualNormTuning(chunk=384))
+
+
+@pytest.mark.parametrize("tuning", [ResidualNormTuning(warps=16), ResidualNormTuning(chunk=128)])
+def test_residual_norm_tunings_agree(tuning):
+    """A tuning changes the launch, not h; the norm stays within one bf16 rounding of the default's."""
+    x, parts, weight = _inputs(16, 4, 16, 2560, salt="tuning")
+    h0, n0 = residual_norm(x, parts, weight, 1e-6, interpret=True)
+    h1, n1 = residual_norm(x, parts, weight, 1e-6, tuning=tuning, interpret=True)
+    np.testing.assert_array_equal(np.asarray(h0, np.float32), np.asarray(h1, np.float32))
+    assert rel_err(n1, n0) < 1e-2
 
 
 def test_residual_norm_lowers_for_an_h200(monkeypatch):
