@@ -28,7 +28,6 @@ from lingjax.ops import kda as kda_ops
 from lingjax.ops import linear as linear_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
-from lingjax.ops import norms
 
 KERNELS = ("xla", "pallas")
 CHOICES = ("auto",) + KERNELS
@@ -67,8 +66,6 @@ OPS = {
     "moe_route": Op(moe_ops.route, "lingjax.pallas.moe_router:route", "lingjax.pallas.moe_router:supports"),
     "moe_experts": Op(moe_ops.experts, "lingjax.pallas.moe_experts:fused_experts",
                       "lingjax.pallas.moe_experts:supports_fused_experts", moe_ops.experts_all_rows),
-    "residual_norm": Op(norms.residual_rms_norm, "lingjax.pallas.residual_norm:residual_norm",
-                        "lingjax.pallas.residual_norm:supports"),
     "moe_routed_experts": Op(moe_ops.routed_experts, "lingjax.pallas.moe_experts:routed_experts",
                              "lingjax.pallas.moe_experts:supports_routed_experts", moe_ops.routed_experts_all_rows),
 }

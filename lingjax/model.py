@@ -43,7 +43,7 @@ from lingjax.ops import linear as linear_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
 from lingjax.ops.fp8 import Fp8Array, dense, device_block, quantize_on_device, refine_scales_on_device
-from lingjax.ops.norms import gated_rms_norm, residual_rms_norm, rms_norm
+from lingjax.ops.norms import gated_rms_norm, rms_norm
 from lingjax.ops.rope import rope_interleaved
 from lingjax.param_init import ParamInit
 from lingjax.quantization import Fp8Layout, quantized_paths
@@ -103,22 +103,10 @@ def project(x: jax.Array, w, paths: Paths, out_dtype=None) -> jax.Array:
     return paths.op("gemm")(x, w, out_dtype)
 
 
-def row_parts(x: jax.Array, w, paths: Paths) -> jax.Array:
-    """A sub-layer's output projection x·Wᵀ as f32 parts [S, rows, N] whose sum in order is the product, for the
-    residual add (add_norm), which rounds it once: on decode/verify rows without TP the Pallas linear's K splits,
-    unadded (their add joins the residual's launch); else one part. Under TP w holds this device's slice of the
-    inputs, so the f32 product is all-reduced (the sub-layer's one all-reduce) first."""
-    if paths.small and paths.ex.tp_axis is None:
-        return paths.op("linear")(x, w, F32, tokens=paths.tokens, split_sums=True)
-    return paths.ex.psum(project(x, w, paths, F32))[None]
-
-
-def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, paths: Paths):
-    """The residual add of a sub-layer's parts (row_parts; rows past theirs add zero) and the norm after it:
-    (h, rms_norm(h, weight)), lingjax.ops.norms.residual_rms_norm. On decode/verify rows op "residual_norm", one
-    launch for both (XLA makes two); prefill rows take the reference."""
-    add = paths.op("residual_norm") if paths.small else residual_rms_norm
-    return add(x, parts, weight, eps)
+def row_linear(x: jax.Array, w, paths: Paths) -> jax.Array:
+    """Row-parallel projection: under TP w holds this device's slice of the inputs, so the f32
+    partial sums are all-reduced (the sub-layer's one all-reduce) before the single rounding."""
+    return paths.ex.psum(project(x, w, paths, F32)).astype(x.dtype)
 
 
 class Fp8Weight(nnx.Module):
@@ -178,8 +166,8 @@ class KDAAttention(nnx.Module):
         self.o_proj = init.matrix(d, p)
 
     def __call__(self, cfg: LingConfig, x, cache: KDACache, positions, n_valid, paths: Paths):
-        """x: [rows, D] at `positions` (consecutive), the first paths.tokens real. Returns (y as row_parts, the cache
-        after the n_valid real rows, staging): on the chain path (decode, verify) staging is the KDAStaged of every
+        """x: [rows, D] at `positions` (consecutive), the first paths.tokens real. Returns (y, the cache after
+        the n_valid real rows, staging): on the chain path (decode, verify) staging is the KDAStaged of every
         row, for a verify's `lingjax.cache.commit`; on the chunked path (prefill) None."""
         t, start = paths.tokens, positions[0]
         h, dk = self.b_proj.shape[0], cfg.kda_head_dim  # heads on this device (all of them without TP)
@@ -219,7 +207,7 @@ class KDAAttention(nnx.Module):
         with jax.named_scope("kda_out"):
             gate = g_out.reshape(paths.rows, h, dk)
             y = gated_rms_norm(o, self.o_norm[...], gate, cfg.rms_norm_eps).astype(x.dtype)  # o: [rows, H, V]
-            y = row_parts(y.reshape(paths.rows, h * dk), self.o_proj[...], paths)
+            y = row_linear(y.reshape(paths.rows, h * dk), self.o_proj[...], paths)
         return y, KDACache(state=state, conv=conv), None if staged is None else KDAStaged(states=staged, conv=conv)
 
 
@@ -235,7 +223,7 @@ class MLAAttention(nnx.Module):
 
     def __call__(self, cfg: LingConfig, x, cache: MLACache, positions, n_valid, paths: Paths):
         """x: [rows, D] at `positions`, the first paths.tokens real; padded rows attend too (at the positions
-        after the real ones) but write nothing. Returns (y as row_parts, cache, None): nothing to stage (the latent cache's
+        after the real ones) but write nothing. Returns (y, cache, None): nothing to stage (the latent cache's
         slots past the committed length are masked by position)."""
         t = x.shape[0]
         h = self.g_proj.shape[0]  # heads on this device
@@ -259,7 +247,7 @@ class MLAAttention(nnx.Module):
         with jax.named_scope("mla_out"):
             gate = jax.nn.sigmoid(narrow_linear(x, self.g_proj[...], paths).astype(F32))  # [T, H]
             o = (o * gate[..., None]).astype(x.dtype).reshape(t, h * cfg.v_head_dim)
-            y = row_parts(o, self.o_proj[...], paths)
+            y = row_linear(o, self.o_proj[...], paths)
         return y, MLACache(latent=latent), None
 
 
@@ -273,18 +261,13 @@ class DenseMLP(nnx.Module):
         )
         self.limit = limit
 
-    def hidden(self, x, paths: Paths):  # -> [rows, width] in x's dtype: the down projection's input
-        with jax.named_scope("dense_mlp"):
-            g, u = project(x, self.gate_proj[...], paths, F32), project(x, self.up_proj[...], paths, F32)
-            return moe_ops.swiglu(g, u, self.limit).astype(x.dtype)
-
     def partial(self, x, paths: Paths):  # -> f32 [rows, D] (under TP: this device's partial sum, for the caller's psum)
         with jax.named_scope("dense_mlp"):
-            return project(self.hidden(x, paths), self.down_proj[...], paths, F32)
+            g, u = project(x, self.gate_proj[...], paths, F32), project(x, self.up_proj[...], paths, F32)
+            return project(moe_ops.swiglu(g, u, self.limit).astype(x.dtype), self.down_proj[...], paths, F32)
 
-    def __call__(self, cfg: LingConfig, x, paths: Paths):  # -> row_parts (add_norm's), all-reduced once
-        with jax.named_scope("dense_mlp"):
-            return row_parts(self.hidden(x, paths), self.down_proj[...], paths)
+    def __call__(self, cfg: LingConfig, x, paths: Paths):  # -> [rows, D] in x's dtype, all-reduced once
+        return paths.ex.psum(self.partial(x, paths)).astype(x.dtype)
 
 
 class MoE(nnx.Module):
@@ -322,9 +305,7 @@ class MoE(nnx.Module):
 
     def __call__(self, cfg: LingConfig, x, paths: Paths):
         """x: [rows, D]: all rows are routed (one router GEMM shape), the real ones alone reach the
-        experts (padded rows would read experts of their own). -> f32 terms [S, T ≤ rows, D] for add_norm (rows
-        past T add zero; a Pallas decode without TP: the down launch's, else their sum), all-reduced once: one
-        rounding of routed + shared, in the residual's launch."""
+        experts (padded rows would read experts of their own). -> [rows, D] in x's dtype, all-reduced once."""
         w = (self.w_gate[...], self.w_up[...], self.w_down[...])
         shared = self.shared
         fuse = self.fuses_shared()
@@ -336,25 +317,22 @@ class MoE(nnx.Module):
         # decode routes and runs the experts as a verify does (one form for both: row invariance)
         if (paths.decode and paths.ex.runs_pallas("moe_experts") and paths.ex.runs_pallas("moe_route")
                 and paths.ex.runs_kernel("moe_routed_experts", *routed_args, **routed_kwargs)):
-            # without TP (no all-reduce between) the residual's launch adds the down launch's terms (add_norm)
-            terms = paths.ex.tp_axis is None and (shared is None or fuse)
             with jax.named_scope("moe_experts"):
-                y = paths.op("moe_routed_experts")(*routed_args, **routed_kwargs, split_sums=terms)
-            if terms:
-                return y
+                y = paths.op("moe_routed_experts")(*routed_args, **routed_kwargs)
         else:
             weights, experts = self.route(cfg, x, paths)
             with jax.named_scope("moe_experts"):
                 y = paths.op("moe_experts")(x, *w, weights, experts, self.limit, tokens=paths.tokens, **extra)
+        with jax.named_scope("moe_experts"):
+            y = paths.pad(y)
         if shared is not None and not fuse:
             with jax.named_scope("moe_shared"):
-                y = paths.pad(y) + shared.partial(x, paths)
-        return paths.ex.psum(y)[None]
+                y = y + shared.partial(x, paths)
+        return paths.ex.psum(y).astype(x.dtype)  # one all-reduce, one rounding of routed + shared
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: h = x + Attn(norm(x)); y = h + FFN(norm(h)). Each residual add computes the norm after it in
-    the same op (add_norm), so a layer takes its input's norm from the layer before and hands on its output's."""
+    """Pre-norm block: h = x + Attn(norm(x)); y = h + FFN(norm(h))."""
 
     def __init__(self, cfg: LingConfig, init: ParamInit, layer_id: int, attn_kind: str, mlp_kind: str):
         self.input_norm = init.norm(cfg.hidden_size)
@@ -362,15 +340,12 @@ class DecoderLayer(nnx.Module):
         self.attn = KDAAttention(cfg, init) if attn_kind == KDA else MLAAttention(cfg, init)
         self.mlp = MoE(cfg, init, layer_id) if mlp_kind == MOE else DenseMLP(cfg, init, cfg.intermediate_size)
 
-    def __call__(self, cfg: LingConfig, x, x_normed, cache, positions, n_valid, paths: Paths, next_norm):
-        """x: the residual stream [rows, D]; x_normed: rms_norm(x, input_norm); next_norm: the weight of the norm
-        that follows the layer. -> (y, rms_norm(y, next_norm), cache, staging): the attention's cache and staging
-        (see KDAAttention, MLAAttention)."""
-        eps = cfg.rms_norm_eps
-        a, cache, staging = self.attn(cfg, x_normed, cache, positions, n_valid, paths)
-        h, h_normed = add_norm(x, a, self.post_norm[...], eps, paths)
-        y, y_normed = add_norm(h, self.mlp(cfg, h_normed, paths), next_norm, eps, paths)
-        return y, y_normed, cache, staging
+    def __call__(self, cfg: LingConfig, x, cache, positions, n_valid, paths: Paths):
+        """-> (y, cache, staging): the attention's cache and staging (see KDAAttention, MLAAttention)."""
+        a, cache, staging = self.attn(cfg, rms_norm(x, self.input_norm[...], cfg.rms_norm_eps), cache, positions,
+                                      n_valid, paths)
+        h = x + a
+        return h + self.mlp(cfg, rms_norm(h, self.post_norm[...], cfg.rms_norm_eps), paths), cache, staging
 
 
 class MTPLayer(nnx.Module):
@@ -390,9 +365,8 @@ class MTPLayer(nnx.Module):
         u = jnp.concatenate([rms_norm(embedded, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)], -1)
         with jax.named_scope("eh_proj"):
             u = project(u, self.eh_proj[...], paths)
-        u_normed = rms_norm(u, self.block.input_norm[...], eps)
-        _, z, cache, _ = self.block(cfg, u, u_normed, cache, positions, n_valid, paths, self.final_norm[...])
-        return z[: paths.tokens], cache
+        u, cache, _ = self.block(cfg, u, cache, positions, n_valid, paths)
+        return rms_norm(u, self.final_norm[...], eps)[: paths.tokens], cache
 
 
 class LingModel(nnx.Module):
@@ -459,23 +433,21 @@ class LingModel(nnx.Module):
         paths = paths_for(tokens.shape[0], ex)
         positions = start + jnp.arange(paths.rows, dtype=jnp.int32)
         x = paths.pad(self.embed_tokens(tokens))
-        x_normed = rms_norm(x, self.layers[0].input_norm[...], cfg.rms_norm_eps)
-        norms_after = [layer.input_norm[...] for layer in self.layers[1:]] + [self.final_norm[...]]
         layers, staging, captured = [], [], {}
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             with jax.named_scope(f"layer{i}_{cfg.layer_types[i]}"):
-                x, x_normed, layer_cache, staged = layer(cfg, x, x_normed, layer_cache, positions, n_valid, paths,
-                                                         norms_after[i])
+                x, layer_cache, staged = layer(cfg, x, layer_cache, positions, n_valid, paths)
             # every layer's output is materialized behind a barrier, in every program: the layers around it then
             # fuse, and so round, alike whether or not a program reads it (a block drafter's feature layers), so a
             # plain program's tokens do not depend on whether a drafter is loaded (docs/engine.md, row invariance)
-            x, x_normed = jax.lax.optimization_barrier((x, x_normed))
+            x = jax.lax.optimization_barrier(x)
             layers.append(layer_cache)
             staging.append(staged)
             if i in capture:
                 captured[i] = x[: paths.tokens]
         features = jnp.concatenate([captured[i] for i in capture], -1) if capture else x[: paths.tokens, :0]
-        return x_normed[: paths.tokens], tuple(layers), tuple(staging), features
+        return (rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)[: paths.tokens], tuple(layers), tuple(staging),
+                features)
 
     def lm_logits(self, hidden, pad_small: bool = True, ex: Exec = Exec()):
         """hidden: [..., D] -> f32 logits [..., V] (under TP: this device's vocabulary shard; see

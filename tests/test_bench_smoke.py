@@ -25,7 +25,6 @@ TABLES = {
     "draft_vocab_sweep": "| spec | S (verify width) | draft vocab |",
     "dispatch_bench": "| N | N arrays, read µs | N arrays donated, returned µs |",
     "compile_bench": "| program | cold: trace s | lower s | compile s |",
-    "residual_norm_bench": "| terms | variant | µs | vs XLA | bits |",
 }
 
 

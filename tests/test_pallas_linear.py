@@ -60,27 +60,6 @@ def test_linear_leading_dims_and_split_sums():
     assert rel_err(four, one) <= REORDER_TOL
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("tokens", [None, 1, 3])
-def test_linear_split_sums_add_to_its_result(splits, tokens):
-    """split_sums returns the K splits' f32 partial sums [splits, ..., N] (one without splits) whose sum in split
-    order is linear's own f32 result, bitwise; the rows past `tokens` are zeros in every part."""
-    kx, kw = jax.random.split(key_for("pallas_linear_parts", splits, tokens))
-    x = jax.random.normal(kx, (VERIFY_ROWS, 1024), F32).astype(BF16)
-    w = (jax.random.normal(kw, (128, 1024), F32) * 0.03).astype(BF16)
-    tuning = LinearTuning(k_splits=splits)
-    whole = pallas_linear(x, w, F32, tokens=tokens, tuning=tuning, interpret=True)
-    parts = pallas_linear(x, w, BF16, tokens=tokens, split_sums=True, tuning=tuning, interpret=True)
-    assert parts.shape == (splits, VERIFY_ROWS, 128) and parts.dtype == F32
-    total = parts[0]
-    for j in range(1, splits):
-        total = total + parts[j]
-    np.testing.assert_array_equal(total, whole)
-    assert rel_err(whole[:1], _exact(x[:1], w)) < 1e-5
-    if tokens is not None:
-        assert not np.asarray(parts[:, tokens:]).any()
-
-
 @pytest.mark.parametrize("tuning", [LinearTuning(), LinearTuning(k_splits=4), LinearTuning(bk=256)],
                          ids=["one split", "four splits", "row read once"])
 def test_linear_decode_row_and_real_rows(tuning):

@@ -23,9 +23,9 @@ def dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.sum(x[..., None, :].astype(F32) * dense(w, x.dtype).astype(F32), axis=-1).astype(x.dtype)
 
 
-def rows_linear(x: jax.Array, w, out_dtype=None, *, tokens=None, split_sums=False) -> jax.Array:
+def rows_linear(x: jax.Array, w, out_dtype=None, *, tokens=None) -> jax.Array:
     """linear on the few rows of a decode or verify, for a plain or an fp8 weight: the reference of
     lingjax.pallas.linear.linear, which takes `tokens` (the real rows) and writes zeros past them; every row is
-    computed here. split_sums: the f32 sum as one part, [1, ..., N] (the kernel's K splits' partial sums)."""
+    computed here."""
     del tokens
-    return linear(x, w, F32)[None] if split_sums else linear(x, w, out_dtype)
+    return linear(x, w, out_dtype)

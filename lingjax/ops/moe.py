@@ -97,25 +97,21 @@ def experts_all_rows(x, w_gate, w_up, w_down, weights, chosen, limit: float = 0.
 
 def routed_experts_all_rows(x, router_w, bias, w_gate, w_up, w_down, limit: float = 0.0, *, top_k, n_group,
                             topk_group, scaling, renormalize, precision="f32", tokens=None, shared=None,
-                            shared_limit: float = 0.0, split_sums=False):
+                            shared_limit: float = 0.0):
     """route, then experts_all_rows: routed_experts' row-invariant form (see experts_all_rows)."""
     weights, chosen = route(x, router_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
                             scaling=scaling, renormalize=renormalize, precision=precision)
-    y = experts_all_rows(x, w_gate, w_up, w_down, weights, chosen, limit, tokens=tokens, shared=shared,
-                         shared_limit=shared_limit)
-    return y[None] if split_sums else y
+    return experts_all_rows(x, w_gate, w_up, w_down, weights, chosen, limit, tokens=tokens, shared=shared,
+                            shared_limit=shared_limit)
 
 
 def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit: float = 0.0, *, top_k, n_group, topk_group,
-                   scaling, renormalize, precision="f32", tokens=None, shared=None, shared_limit: float = 0.0,
-                   split_sums=False):
-    """route (on all of x's rows), then `experts` of the first T = `tokens` rows (default all) -> [T, D] f32;
-    split_sums: as one term [1, T, D] (the Pallas kernel's terms, lingjax.pallas.moe_experts.routed_experts)."""
+                   scaling, renormalize, precision="f32", tokens=None, shared=None, shared_limit: float = 0.0):
+    """route (on all of x's rows), then `experts` of the first T = `tokens` rows (default all) -> [T, D] f32."""
     weights, chosen = route(x, router_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
                             scaling=scaling, renormalize=renormalize, precision=precision)
-    y = experts(x, w_gate, w_up, w_down, weights, chosen, limit, tokens=tokens, shared=shared,
-                shared_limit=shared_limit)
-    return y[None] if split_sums else y
+    return experts(x, w_gate, w_up, w_down, weights, chosen, limit, tokens=tokens, shared=shared,
+                   shared_limit=shared_limit)
 
 
 def experts_sorted(x, w_gate, w_up, w_down, weights, experts, limit: float = 0.0):

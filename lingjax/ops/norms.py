@@ -22,17 +22,3 @@ def gated_rms_norm(o: jax.Array, weight: jax.Array, gate: jax.Array, eps: float)
     of = o.astype(jnp.float32)
     y = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)
     return y * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
-
-
-def residual_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-    """A sub-layer's residual add and the next norm: h = x + Σ parts, the parts added in order in their dtype and
-    rounded once to x's dtype; -> (h, rms_norm(h, weight, eps)). x: [R, D]; parts: [S, T, D], T <= R (a projection's
-    split-K partial sums, or one part): rows past T add zero."""
-    a = parts[0]
-    for j in range(1, parts.shape[0]):
-        a = a + parts[j]
-    a = a.astype(x.dtype)
-    if a.shape[0] < x.shape[0]:
-        a = jnp.pad(a, [(0, x.shape[0] - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
-    h = x + a
-    return h, rms_norm(h, weight, eps)

@@ -101,12 +101,11 @@ def plan(x_dtype, w, tokens=None, tuning: LinearTuning = LinearTuning()) -> dict
     return dict(bn=bn, splits=splits, bk=bk, sub=sub, x_row=mode or "gather")
 
 
-def supports(x, w, out_dtype=None, *, tokens=None, split_sums=False, tuning: LinearTuning = LinearTuning(),
-             interpret=None) -> str | None:
+def supports(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTuning(), interpret=None) -> str | None:
     """None when `linear` with these arguments (arrays or ShapeDtypeStructs) lowers to Triton and computes right on
     the GPU, else why not: at most ROWS rows; a 2-D weight; K split evenly (an fp8 weight: into whole scale blocks);
     power-of-2 tiles of at least MIN_DOT_K along K and 16 along N (an fp8 weight's scale blocks bound them)."""
-    del out_dtype, tokens, split_sums, interpret
+    del out_dtype, tokens, interpret
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
@@ -165,17 +164,14 @@ def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row,
         y_ref[:, cols] = acc.astype(y_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tokens", "split_sums", "tuning", "interpret"))
-def linear(x, w, out_dtype=None, *, tokens=None, split_sums=False, tuning: LinearTuning = LinearTuning(),
-           interpret=None):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tokens", "tuning", "interpret"))
+def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTuning(), interpret=None):
     """x [..., K] (at most ROWS rows), w [N, K] (an array, or an Fp8Array read as fp8) -> [..., N] in out_dtype
     (default x's dtype), from f32 sums rounded once: lingjax.ops.linear.linear (for an fp8 weight without rounding
     the dequantized weight). tokens: the rows that are real (default all): the rows past them come out zero; at
     tokens = 1 the kernel reads x's row 0 alone (the module docstring says how) into the dot's ROWS rows (the same
     dot, so row 0 rounds as in a verify). w may be one layer of a stack (lingjax.stacked.LayerOf, or an Fp8Array
-    of two), read in place. split_sums: return the K splits' f32 partial sums [splits, ..., N] unadded (one when the
-    launch does not split K; out_dtype ignored), for a consumer that adds them in its own launch
-    (lingjax.pallas.residual_norm). Shapes it lowers for: supports."""
+    of two), read in place. Shapes it lowers for: supports."""
     interpret = resolve_interpret(interpret)
     lead, k = x.shape[:-1], x.shape[-1]
     if len(w.shape) != 2 or w.shape[1] != k:
@@ -192,7 +188,7 @@ def linear(x, w, out_dtype=None, *, tokens=None, split_sums=False, tuning: Linea
     real = rows if tokens is None else min(tokens, rows)
     x_row = x_row_mode(1 if one_token else ROWS, bk, sub, x.dtype, tuning.x_row_min_bytes, tuning.warps,
                        tuning.x_row_split)
-    out_dtype = jnp.dtype(F32 if split_sums else out_dtype or x.dtype)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     partial = splits > 1
     out_shape = (splits, ROWS, n) if partial else (ROWS, n)
     operands = (flat, w.q, w.scale) if block is not None else (flat, w)
@@ -207,9 +203,6 @@ def linear(x, w, out_dtype=None, *, tokens=None, split_sums=False, tuning: Linea
         interpret=interpret,
         name="linear",
     )(*operands)
-    if split_sums:
-        parts = y if partial else y[None]
-        return parts[:, :rows].reshape(parts.shape[0], *lead, n)
     if partial:
         out = y[0]
         for j in range(1, splits):  # the splits' partial sums in split order, a chain of adds (row invariance)

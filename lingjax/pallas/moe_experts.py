@@ -150,11 +150,11 @@ def supports_fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0,
 
 def supports_routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k, n_group, topk_group,
                             scaling, renormalize, precision="f32", tokens=None, shared=None, shared_limit=0.0,
-                            split_sums=False, tuning: ExpertTuning | None = None, interpret=None) -> str | None:
+                            tuning: ExpertTuning | None = None, interpret=None) -> str | None:
     """None when `routed_experts` with these arguments (arrays or ShapeDtypeStructs) lowers to Triton and computes
     right on the GPU, else why not: the router's rules (lingjax.pallas.moe_router.supports; at T = 1 the up kernel
     runs the same selection) and the experts' (supports_fused_experts)."""
-    del w_up, limit, shared_limit, split_sums, interpret
+    del w_up, limit, shared_limit, interpret
     t = x.shape[0] if tokens is None else tokens
     tuning = _resolve(tuning, t, w_gate)
     return (moe_router.supports(x, router_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
@@ -308,8 +308,7 @@ def _down_kernel(ids_ref, blk_ref, w_ref, h_ref, wd_ref, *rest, nb, npairs, bloc
             scale, block_k = (lambda kb: (scales[0][e, row, kb],)), blocks[0][1]
         acc = block(lambda ks: wd_ref[e, cols, ks], scale, block_k)
         wts = w_ref[jnp.minimum(rows, npairs - 1)]  # [BM] f32
-        # scatter to the pairs' rows; the padding rows' row NP takes zeros (summed as a term by split_sums)
-        y_ref[rows, cols] = jnp.where((rows < npairs)[:, None], acc * wts[:, None], 0.0)
+        y_ref[rows, cols] = acc * wts[:, None]  # scatter to the pairs' rows
 
     if shared:
         (sd_ref,) = shared
@@ -375,10 +374,10 @@ def _resolve(tuning: ExpertTuning | None, t: int, w_gate) -> ExpertTuning:
 @functools.partial(
     jax.jit,
     static_argnames=("limit", "top_k", "n_group", "topk_group", "scaling", "renormalize", "precision", "tokens",
-                     "shared_limit", "split_sums", "tuning", "interpret"),
+                     "shared_limit", "tuning", "interpret"),
 )
 def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k, n_group, topk_group, scaling,
-                   renormalize, precision="f32", tokens=None, shared=None, shared_limit=0.0, split_sums=False,
+                   renormalize, precision="f32", tokens=None, shared=None, shared_limit=0.0,
                    tuning: ExpertTuning | None = None, interpret=None):
     """The routed experts of x's first T = `tokens` rows (default all), routing included: as
     lingjax.ops.moe.routed_experts, [T, D] f32 (`shared`, `shared_limit` as in fused_experts).
@@ -387,10 +386,8 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
     rank the token's experts and take their own (moe_router.token_expert) and whose first shared-expert program
     publishes the whole routing (token_routing) for the down kernel; the same ids as the select kernel's.
     Above T = 1: moe_router.route, then fused_experts. The router takes RouterTuning's defaults; `tuning` is
-    the expert launches' (None: one_token_tiles at T = 1, ExpertTuning() above). split_sums: the result as f32
-    terms [S, T, D] whose sum in order is it, for a consumer that adds them in its own launch
-    (lingjax.pallas.residual_norm): at T = 1 the down launch's rows unadded (the k slots', a zero row, the shared
-    expert's), above it the sum as one term. Shapes it lowers for: supports_routed_experts.
+    the expert launches' (None: one_token_tiles at T = 1, ExpertTuning() above). Shapes it lowers for:
+    supports_routed_experts.
     """
     interpret = resolve_interpret(interpret)
     t = x.shape[0] if tokens is None else tokens
@@ -399,21 +396,19 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
                    renormalize=bool(renormalize))
     if t > 1 or n_blocks_for(top_k, tuning.block_m, w_gate.shape[0]) != top_k:
         weights, experts = route(x, router_w, bias, precision=precision, **routing, interpret=interpret)
-        y = fused_experts(x, w_gate, w_up, w_down, weights, experts, limit, tokens=t, shared=shared,
-                          shared_limit=shared_limit, tuning=tuning, interpret=interpret)
-        return y[None] if split_sums else y
+        return fused_experts(x, w_gate, w_up, w_down, weights, experts, limit, tokens=t, shared=shared,
+                             shared_limit=shared_limit, tuning=tuning, interpret=interpret)
     check_routing(router_w.shape[0], n_group=n_group, topk_group=topk_group, top_k=top_k)
     logits = partial_logits(x, router_w, precision=precision, tokens=1, interpret=interpret)
     return _expert_launches(x, w_gate, w_up, w_down, (logits, bias.astype(F32)), None, limit, t=1, nb=top_k,
                             top_k=top_k, tuning=tuning, shared=shared, shared_limit=shared_limit,
-                            routing=tuple(routing.items()), split_sums=split_sums, interpret=interpret)
+                            routing=tuple(routing.items()), interpret=interpret)
 
 
 def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, top_k, tuning, shared, shared_limit,
-                     routing, interpret, split_sums=False):
+                     routing, interpret):
     """The up and down launches and the k-sum. plan: (slot table, expert per block) with weights [NP] f32, or
-    with `routing` (T = 1) the router's (partial logits, bias), weights None: the up kernel routes. split_sums
-    (T = 1): the down launch's rows as terms [NP + 1 (+ 1), 1, D], not added (routed_experts)."""
+    with `routing` (T = 1) the router's (partial logits, bias), weights None: the up kernel routes."""
     d = x.shape[1]
     n_exp, i_dim, _ = w_gate.shape
     npairs = t * top_k
@@ -480,11 +475,8 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     )(*plan, weights, h, w_down, *(() if shared is None else shared[2:]), *scales_down)
     # f32 sum over the k slots, in slot order as a chain of adds (not a reduce, whose order on the GPU may
     # change with T): a token's row is the same in a decode and a verify (lingjax/model.py, row invariance)
-    if split_sums and t == 1:  # slots 0..k-1, the padding row's zeros (+0.0: the same sum), the shared expert's
-        return y.reshape(out_rows, 1, d)
     per_slot = y[:npairs].reshape(t, top_k, d)
     out = per_slot[:, 0]
     for j in range(1, top_k):
         out = out + per_slot[:, j]
-    out = out + y[npairs + 1:] if ns else out
-    return out[None] if split_sums else out
+    return out + y[npairs + 1:] if ns else out
