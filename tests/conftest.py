@@ -248,6 +248,15 @@ def ling_dir(tmp_path):
     return d, ling_tokenizer.write(d, LingConfig.from_file(d / "config.json").vocab_size)
 
 
+@pytest.fixture
+def h200(monkeypatch):
+    """Pallas's Triton lowering targets an H200 (sm_90) on this machine without a GPU: the lowering tests' target."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
+
+
 @pytest.fixture(params=fixture_dirs(), ids=lambda p: p.name)
 def hf_fixture(request):
     return request.param

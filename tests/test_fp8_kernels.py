@@ -284,14 +284,10 @@ def _flash_fp8_calls(tp: int):
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_flash_fp8_calls_are_supported_and_lower_for_an_h200(tp, monkeypatch):
+def test_flash_fp8_calls_are_supported_and_lower_for_an_h200(tp, h200):
     """Every fp8 kernel call of a Flash decode and verify at TP 1, 2, 4 and 8 is supported (at TP4 and TP8 the
     expert width's shards of 192 and 96 cut the 128-row blocks: device blocks of 64 and 32) and lowers to Triton IR
     for an H200."""
-    from jax._src.pallas.triton import gpu_info
-
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
     for label, check, kernel, args, kw in _flash_fp8_calls(tp):
         assert check(*args, **kw) is None, (label, check(*args, **kw))
         _lower_for_cuda(kernel, args, kw)
@@ -325,13 +321,9 @@ DECODE_VARIANTS = [  # the decode's (T = 1) other ways of reading x, at Flash's 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("op,tuning", DECODE_VARIANTS)
-def test_flash_fp8_decode_row_reads_lower_for_an_h200(op, tuning, monkeypatch):
+def test_flash_fp8_decode_row_reads_lower_for_an_h200(op, tuning, h200):
     """The decode's x-row variants (one row per K step split in registers, one per scale block, 8 warps) at Flash's
     TP1 shapes lower to Triton IR for an H200, and supports() takes them."""
-    from jax._src.pallas.triton import gpu_info
-
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
     calls = {label: (check, kernel, args, kw) for label, check, kernel, args, kw in _flash_fp8_calls(1)}
     if op == "linear":
         check, kernel, args, kw = calls["kda in_proj rows=1"]  # [20480, 2560]: K splits of 1280 columns

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax._src.pallas.triton import gpu_info
 
 from conftest import FIXTURES
 from lingjax import engine, kernels, target
@@ -30,15 +29,10 @@ from lingjax.shipped import DEFAULT_CHECKPOINT, DEFAULT_NAME
 from lingjax.spec import step as spec_step
 from lingjax.spec.step import SpecState
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"),
+              pytest.mark.usefixtures("h200")]  # lowered for an H200 (conftest)
 
 CONFIGS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").exists()) + ["tiny", "mid", DEFAULT_NAME]
-
-
-@pytest.fixture(autouse=True)
-def h200(monkeypatch):
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
 
 
 def _config(name: str) -> LingConfig:

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.triton import gpu_info
 
 from conftest import key_for, rel_err
 from lingjax.config import preset
@@ -129,11 +128,9 @@ def _prefill_projections(cfg, tp):
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("tp", [1, 8])
-def test_flash_prefill_projections_lower_for_an_h200(tp, monkeypatch):
+def test_flash_prefill_projections_lower_for_an_h200(tp, h200):
     """Every projection of a Flash prefill chunk (2048 rows; fp8 weights in 128 x 128 blocks, the lm_head bf16) at
     TP 1 and 8 is supported and lowers to Triton IR for an H200, one kernel each, waiting for its producers."""
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
     for label, (n, k, is_fp8) in _prefill_projections(preset("flash"), tp).items():
         x = S((2048, k), BF16)
         gn, gk = fp8.device_block((n, k))  # the checkpoint's 128 x 128, finer where a dimension needs it

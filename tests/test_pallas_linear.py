@@ -7,7 +7,6 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.triton import gpu_info
 
 from conftest import REORDER_TOL, key_for, rel_err
 from lingjax.config import VERIFY_ROWS, preset
@@ -115,11 +114,9 @@ def _dense_projections(cfg, tp):
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("tp", [1, 2, 8])
-def test_flash_projections_are_supported_and_lower_for_an_h200(tp, monkeypatch):
+def test_flash_projections_are_supported_and_lower_for_an_h200(tp, h200):
     """Every dense projection of a Flash decode (one row read) and verify at TP 1, 2 and 8 is supported and lowers
     to Triton IR for an H200."""
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
     for label, (n, k) in _dense_projections(preset("flash"), tp).items():
         for tokens, out in ((1, BF16), (4, F32)):
             x, w = S((VERIFY_ROWS, k), BF16), S((n, k), BF16)
@@ -173,14 +170,12 @@ def test_linear_reads_a_stacked_weight_in_place(fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
-def test_a_stacked_weight_lowers_for_an_h200(fp8, monkeypatch):
+def test_a_stacked_weight_lowers_for_an_h200(fp8, h200):
     """One layer of a stack, static and traced (a scan), lowers to Triton IR for an H200: the kernel's reads of a
     LayerRef are one indexer each (the lowering refuses an indexer on an `.at[layer]` view)."""
     from lingjax.ops.fp8 import Fp8Array
     from lingjax.stacked import layer_of
 
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
     x = S((VERIFY_ROWS, 2560), BF16)
     w = (Fp8Array(S((4, 2560, 2560), jnp.float8_e4m3fn), S((4, 20, 20), F32)) if fp8
          else S((4, 2560, 2560), BF16))

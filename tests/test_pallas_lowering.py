@@ -12,7 +12,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.pallas.triton import gpu_info
 
 from lingjax.pallas.grid_dependency import WAIT_ASM
 from lingjax.pallas.kda_chain import ChainTuning, kda_chain_verify
@@ -28,13 +27,8 @@ BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 D, E, K, ROWS = 2560, 512, 8, 16  # hidden, experts, top-k, padded rows of a verify
 I = 384  # one TP2 device's share of an expert's intermediate dim
 H, DK, W = 16, 128, 4  # KDA heads on one TP2 device, head dim, conv width
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-
-
-@pytest.fixture(autouse=True)
-def h200(monkeypatch):
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
+pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"),
+              pytest.mark.usefixtures("h200")]  # lowered for an H200 (conftest)
 
 
 def _triton_calls(fn, *shapes) -> int:

@@ -10,7 +10,6 @@ import jax.experimental.pallas.fuser  # noqa: F401 (see below)
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.triton import gpu_info
 
 from conftest import FIXTURES, key_for, rel_err
 from lingjax.config import DEFAULT_STEPS, VERIFY_ROWS, LingConfig, preset
@@ -126,12 +125,6 @@ def _shapes(rows, h, n, r, v, rank, capacity, dtype) -> tuple:
 def _args(cfg: LingConfig, tp: int, rows: int, dtype, capacity: int = CAPACITY) -> tuple:
     return _shapes(rows, cfg.num_heads // tp, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                    cfg.kv_lora_rank, capacity, dtype)
-
-
-@pytest.fixture
-def h200(monkeypatch):
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
 
 
 @functools.cache

@@ -507,16 +507,12 @@ def test_presets_run_every_moe_kernel(name, dtype):
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("name,tp,dtype", MOE_CASES, ids=[f"{n}-tp{tp}-{d}" for n, tp, d in MOE_CASES])
-def test_moe_supports_matches_the_triton_lowering(name, tp, dtype, monkeypatch):
+def test_moe_supports_matches_the_triton_lowering(name, tp, dtype, h200):
     """supports() of route, fused_experts and routed_experts over the model's calls in every fixture config and
     preset: where it accepts a call, the call lowers to Triton IR for an H200; a refusal is a reason naming the
     dimension, and either the call does not lower (a block that is no power of 2) or it is a 16-bit dot's K step
     under MIN_DOT_K, which lowers but which the H200 computes wrong (docs/kernels/moe.md). The Flash presets'
     shapes are all supported (test_presets_run_every_moe_kernel)."""
-    from jax._src.pallas.triton import gpu_info
-
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90))
     for label, supports, kernel, args, kw in _moe_calls(_config(name), tp, DTYPES[dtype]):
         reason = supports(*args, **kw)
         if _call_key(kernel, args, kw) in _LOWERED:
