@@ -114,11 +114,11 @@ def round_times(args) -> tuple[dict, str]:
     import lingjax
     from lingjax import engine, loading
     from lingjax.sampling import SamplingParams
-    from lingjax.spec import draft_vocab, dspark, step
+    from lingjax.spec import draft_vocab, step
 
     model = lingjax.load(args.model, weights=args.weights, kernels=args.kernels, tp=args.tp, draft="auto")
     if model.draft is None:  # no drafter of its own (a preset): a random one shaped for it (times, not accepts)
-        model = model.with_draft(dspark.random_dspark(dspark.default_config(model.cfg), "bfloat16"))
+        model = model.with_draft(loading.load_draft("random", model.cfg, "bfloat16", shipped=False))
     own = Path(model.source) / draft_vocab.TABLE_NAME  # a checkpoint's own table (the shipped model has one)
     table = (draft_vocab.read_table(args.table or own, model.cfg.vocab_size) if args.table or own.is_file()
              else draft_vocab.zipf_counts(model.cfg.vocab_size))
