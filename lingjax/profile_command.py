@@ -180,6 +180,10 @@ def run_profile(args) -> int:
     print(profile_report.describe(meta))
     print()
     print(profiling.format_census({model.kernels: census}))
+    if census.top:
+        print(f"\nthe {len(census.top)} kernels with the most time (a kernel launched in every layer counted once, "
+              "its layers' launches summed):")
+        print(profiling.format_top(census))
     if meta["backend"].lower() == "cpu":
         print("\non a CPU the 'kernels' are XLA's thunks, run on several threads: their summed time can pass the "
               "step's")

@@ -11,7 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from lingjax.profiling import CATEGORIES, Census, format_census
+from lingjax.profiling import CATEGORIES, Census, format_census, format_top
 
 FILE = "census.json"
 
@@ -43,7 +43,9 @@ def save(out: str | Path, census: Census, meta: dict, label: str) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / FILE).write_text(to_json(census, meta) + "\n", encoding="utf-8")
-    (out / "census.md").write_text(describe(meta) + "\n\n" + format_census({label: census}) + "\n", encoding="utf-8")
+    top = "\n\n" + format_top(census) if census.top else ""
+    (out / "census.md").write_text(describe(meta) + "\n\n" + format_census({label: census}) + top + "\n",
+                                   encoding="utf-8")
 
 
 def describe(meta: dict) -> str:

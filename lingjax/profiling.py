@@ -65,6 +65,7 @@ class Census:
     devices: int = 1
     peer_wait_us: float | None = None  # device 0: collective time before the last peer joined, per step
     collective_gap_us: float = 0.0  # device 0: idle (traced) in the gaps just before or after a collective, per step
+    top: list = dataclasses.field(default_factory=list)  # device 0: top_kernels' rows, the most time first
 
     @property
     def traced_idle_us(self) -> float:
@@ -249,11 +250,38 @@ def collective_gap_us(kernels: list[Kernel], device: int = 0) -> float:
     return total
 
 
+_LAYER_INDEX = re.compile(r"(?<=\blayer)\d+")  # a layer's index in a scope path ("layer7_kda/kda_proj")
+_JIT_PREFIX = re.compile(r"^(jit\([^)]*\)/)+")  # the program's own scopes, the same for every kernel of a step
+_NAME_SUFFIX = re.compile(r"([._]\d+)+$")  # XLA's numbering of a kernel's copies ("loop_add_fusion_12", "ynn_fusion.3")
+
+
+def kernel_group(kernel: Kernel, scope: str) -> tuple[str, str]:
+    """(kernel name without XLA's copy numbering, scope path with layer indices as '*'): the key under which a
+    kernel launched once per layer is counted with its copies in the other layers."""
+    return _NAME_SUFFIX.sub("", kernel.name), _LAYER_INDEX.sub("*", _JIT_PREFIX.sub("", scope))
+
+
+def top_kernels(kernels: list[Kernel], scopes: dict[str, str], steps: int, n: int = 15) -> list[dict]:
+    """The `n` kernel groups (kernel_group) with the most time: [{name, scope, category, launches, us}], launches
+    and µs per step, the most time first."""
+    us, count, cat = defaultdict(float), defaultdict(int), {}
+    for k in kernels:
+        scope = scope_of(k, scopes)
+        key = kernel_group(k, scope)
+        us[key] += k.dur_us
+        count[key] += 1
+        cat.setdefault(key, category(k, scope))
+    order = sorted(us, key=lambda key: -us[key])[:n]
+    return [dict(name=key[0], scope=key[1], category=cat[key], launches=count[key] / steps, us=us[key] / steps)
+            for key in order]
+
+
 def census(kernels: list[Kernel], scopes: dict[str, str], steps: int, real_step_s: float | None = None,
-           device: int = 0, module: str = "") -> Census:
-    """Per-step GPU time by category on `device` over a trace of `steps` back-to-back steps. With `module`
-    (module_name of the program's HLO), kernels that name another HLO module (the trace says on the CPU)
-    are left out: host-side copies and conversions around the steps are not the step."""
+           device: int = 0, module: str = "", top: int = 15) -> Census:
+    """Per-step GPU time by category on `device` over a trace of `steps` back-to-back steps, and the `top` kernel
+    groups by time (top_kernels). With `module` (module_name of the program's HLO), kernels that name another HLO
+    module (the trace says on the CPU) are left out: host-side copies and conversions around the steps are not the
+    step."""
     mine = [k for k in kernels if k.device == device and (not module or k.module in ("", module))]
     if not mine:
         raise ValueError(f"the trace holds no kernels of GPU {device}{f' in {module}' if module else ''} "
@@ -268,7 +296,8 @@ def census(kernels: list[Kernel], scopes: dict[str, str], steps: int, real_step_
                   real_step_us=None if real_step_s is None else real_step_s * 1e6,
                   devices=len({k.device for k in kernels}),
                   peer_wait_us=None if (wait := peer_wait_us(kernels, device)) is None else wait / steps,
-                  collective_gap_us=collective_gap_us(kernels, device) / steps)
+                  collective_gap_us=collective_gap_us(kernels, device) / steps,
+                  top=top_kernels(mine, scopes, steps, top))
 
 
 def format_census(censuses: dict[str, Census]) -> str:
@@ -302,6 +331,17 @@ def format_census(censuses: dict[str, Census]) -> str:
         + " |")
     rows.append("| kernels per step (traced) | " + " | ".join(
         f"{c.kernels_per_step:.0f}" for c in censuses.values()) + " |")
+    return "\n".join(rows)
+
+
+def format_top(c: Census) -> str:
+    """The census's top kernel groups as a markdown table: µs and launches per step, share of the step."""
+    step = c.real_step_us or c.traced_step_us
+    rows = ["| kernel | scope (layers as *) | category | launches per step | µs per step (share) |",
+            "|---|---|---|---|---|"]
+    for t in c.top:
+        rows.append(f"| {t['name']} | {t['scope'] or '-'} | {t['category']} | {t['launches']:g} | "
+                    f"{t['us']:.1f} ({100 * t['us'] / step:.1f}%) |")
     return "\n".join(rows)
 
 

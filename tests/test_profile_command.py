@@ -148,7 +148,10 @@ def test_profile_the_shipped_decode_on_the_cpu(tmp_path, capsys):
     assert census.kernels_per_step == count / 2
     assert census.by_category_us["all-reduce"] == 0 and census.by_category_us["dense GEMM"] > 0
     assert census.by_category_us["MoE experts"] > 0 and census.by_category_us["KDA"] > 0
-    assert (out / "census.md").read_text().count("| MLA attention |") == 1
+    md = (out / "census.md").read_text()
+    assert md.count("\n| MLA attention |") == 1  # the census's row, once
+    assert "kernels with the most time" in printed and "| kernel | scope (layers as *) |" in md
+    assert len(census.top) == 15 and census.top[0]["us"] >= census.top[-1]["us"] > 0
 
 
 def test_profile_a_prefill_chunk_on_the_cpu(capsys):

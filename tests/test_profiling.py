@@ -96,3 +96,25 @@ def test_pallas_kernels_are_categorized_by_their_own_names():
     assert profiling.category(k("moe_up_select"), "") == "MoE experts"
     assert profiling.category(k("moe_router_gemv"), "") == "router/glue"
     assert profiling.category(k("loop_add_fusion"), "") == "router/glue"
+
+
+def test_top_kernels_group_a_kernels_layers_and_sum_per_step():
+    """A kernel launched in every layer (XLA numbers its copies, the scope names the layer) is one row: its launches
+    and µs per step summed; rows come the most time first, cut at n, and the table gives each row's share."""
+    scopes = {"fusion.1": "jit(r)/jit(main)/layer0_kda/kda_out/add", "fusion.2": "jit(r)/layer12_kda/kda_out/add",
+              "fusion.3": "jit(r)/lm_head/dot_general"}
+
+    def k(name, op, dur):
+        return profiling.Kernel(0, 0.0, dur, name, op)
+
+    kernels = [k("loop_add_fusion", "fusion.1", 2.0), k("loop_add_fusion_7", "fusion.2", 3.0),
+               k("gemv.3", "fusion.3", 4.0), k("linear", "command_buffer.1", 1.0)] * 2
+    top = profiling.top_kernels(kernels, scopes, steps=2, n=2)
+    assert top == [dict(name="loop_add_fusion", scope="layer*_kda/kda_out/add", category="router/glue", launches=2.0,
+                        us=5.0),
+                   dict(name="gemv", scope="lm_head/dot_general", category="dense GEMM", launches=1.0, us=4.0)]
+    c = profiling.Census(steps=2, traced_step_us=20.0, busy_us=10.0, by_category_us={}, kernels_per_step=4,
+                         real_step_us=25.0, top=top)
+    table = profiling.format_top(c)
+    assert "| loop_add_fusion | layer*_kda/kda_out/add | router/glue | 2 | 5.0 (20.0%) |" in table
+    assert profiling.census(kernels, scopes, steps=2, top=3).top[2]["name"] == "linear"
