@@ -12,8 +12,8 @@ batches of calls dispatched back to back. Variants: XLA's GEMM compiled with the
 (lingjax.execution.step_compiler_options: autotuning off), the same with XLA's autotuning on (xla_gpu_autotune_level=4),
 and the Pallas kernel at its default tiles and at --sweep's. Each row gives µs per projection at verify rows (and, for
 the kernel, at a decode's: tokens = 1, x's one row read as the decode reads it), its byte floor (the weight and its
-scales read once at the read bandwidth measured at the start) and the ratios; `vs exact` is the relative error against x
-· Wᵀ in f32 (an fp8 weight: its dequantized values); `bits` says whether the kernel's decode row 0 equals its verify's
+scales read once at the read bandwidth measured at the start) and the ratios; `vs exact` is the relative error against
+x · Wᵀ in f32 (an fp8 weight: its dequantized values); `bits` says whether the kernel's decode row 0 equals its verify's
 row 0 bit for bit (row invariance).
 """
 
