@@ -22,6 +22,8 @@ TABLES = {
     "fp8_bench": "| variant | tuning (changed from the decode's tiles) | vs exact |",
     "linear_bench": "| projection | [N, K] | variant | launch |",
     "gemm_bench": "| shape | [N, K] | variant | plan |",
+    "moe_prefill_bench": "| tiles | ms per layer | bits | vs first |",
+    "mla_kvb_ab": "| form | µs per layer | q_lat bits | o bits |",
     "draft_vocab_sweep": "| spec | S (verify width) | draft vocab |",
     "dispatch_bench": "| N | N arrays, read µs | N arrays donated, returned µs |",
     "compile_bench": "| program | cold: trace s | lower s | compile s |",

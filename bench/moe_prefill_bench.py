@@ -1,0 +1,103 @@
+"""A prefill chunk's routed experts (lingjax.pallas.moe_experts.fused_experts above 16 tokens) at several expert
+block sizes: time per layer, rows bit-equal to the default's, on Flash's MoE layer with fp8 or bf16 weights.
+
+    python bench/moe_prefill_bench.py --out moe_prefill.md             # T = 2048, fp8, block_m 16 .. 128
+    python bench/moe_prefill_bench.py --weights dense --tokens 512
+    python bench/moe_prefill_bench.py --smoke                          # tiny preset, interpret mode: a CPU check
+
+Why: the expert kernels take (token, slot) pairs in blocks of block_m rows that share one expert, and every block
+reads its expert's whole weights (and, in fp8, converts them tile by tile). At the decode's and a verify's 16-row
+blocks a 2048-token chunk, ~32 pairs an expert on Flash, has each touched expert span two or three blocks.
+
+One program applies fused_experts (routed and shared experts, the routing fixed beforehand by the Pallas router) to
+--layers distinct layers (cold: Flash's experts are 3 GB a layer in fp8), each with its own random x [T, D]; the
+time is the median of --reps calls over the layers. `bits` says whether every output row equals the first
+variant's bit for bit (the pairs' sums do not depend on the block); `vs first` is the max relative difference.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from common import BF16, F32, Report, add_options, config_of, heading, moe_shape, parser, progress, rel
+from lingjax import target
+from lingjax.execution import step_compiler_options
+from lingjax.ops.fp8 import BLOCK, device_block, quantize_on_device
+from lingjax.pallas.moe_experts import ExpertTuning, fused_experts
+from lingjax.pallas.moe_router import route
+
+VARIANTS = [  # (label, tuning)
+    ("block_m 16 (the default)", ExpertTuning()),
+    ("block_m 32", ExpertTuning(block_m=32)),
+    ("block_m 64", ExpertTuning(block_m=64)),
+    ("block_m 128", ExpertTuning(block_m=128)),
+    ("block_m 64, 8 warps", ExpertTuning(block_m=64, warps_up=8, warps_down=8)),
+]
+
+
+def make_layer(key, shape, fp8: bool) -> dict:
+    """One MoE layer's random weights: router (bf16), bias, routed and shared experts (fp8 in 128 x 128 blocks)."""
+    d, i, e, s = shape.d, shape.i, shape.e, shape.shared
+    ks = jax.random.split(key, 8)
+
+    def w(k, size, fan_in, matrix=True):
+        a = (jax.random.normal(k, size, F32) * fan_in**-0.5).astype(BF16)
+        return quantize_on_device(a, device_block(a.shape, BLOCK)) if fp8 and matrix else a
+
+    return dict(router=w(ks[0], (e, d), d, matrix=False), bias=0.1 * jax.random.normal(ks[1], (e,), F32),
+                wg=w(ks[2], (e, i, d), d), wu=w(ks[3], (e, i, d), d), wd=w(ks[4], (e, d, i), i),
+                sg=w(ks[5], (s, d), d), su=w(ks[6], (s, d), d), sd=w(ks[7], (d, s), s))
+
+
+def main(argv=None):
+    ap = parser(__doc__)
+    add_options(ap, "model", "weights", "smoke", "out", model="flash", weights="fp8")
+    ap.add_argument("--tokens", type=int, default=2048, help="T: the chunk's tokens")
+    ap.add_argument("--layers", type=int, default=4, help="distinct layers in the timed program")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.model, args.tokens, args.layers, args.reps = "tiny", 64, 2, 1
+    gpu = target.platform() == "gpu"
+    shape = moe_shape(config_of(args.model))
+    say = Report(args.out)
+    heading(say, f"moe_prefill_bench: {args.model}'s MoE layer at T = {args.tokens}, {args.weights} weights")
+    layers = [make_layer(jax.random.key(10 + l), shape, args.weights == "fp8") for l in range(args.layers)]
+    xs = [jax.random.normal(jax.random.key(100 + l), (args.tokens, shape.d), F32).astype(BF16)
+          for l in range(args.layers)]
+    routes = [route(x, p["router"], p["bias"], **shape.routing) for x, p in zip(xs, layers)]
+    counts = np.bincount(np.asarray(routes[0][1]).reshape(-1), minlength=shape.e)
+    say(f"layer 0: {np.count_nonzero(counts)} of {shape.e} experts touched, {counts[counts > 0].mean():.1f} pairs "
+        f"each on average, {counts.max()} at most")
+    say.table("tiles", "ms per layer", "bits", "vs first")
+    first = None
+    for label, tuning in VARIANTS[:3] if args.smoke else VARIANTS:
+        def run(layers, xs, routes, tuning=tuning):
+            return [fused_experts(x, p["wg"], p["wu"], p["wd"], w, ids, shape.limit,
+                                  shared=(p["sg"], p["su"], p["sd"]), shared_limit=shape.shared_limit, tuning=tuning)
+                    for p, x, (w, ids) in zip(layers, xs, routes)]
+
+        fn = jax.jit(run, compiler_options=step_compiler_options() if gpu else None)
+        progress(label)
+        try:
+            out = np.asarray(fn(layers, xs, routes)[0])
+        except Exception as e:  # a tiling that does not compile or launch: reported, the others still run
+            say.row(label, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:90]}", "", "")
+            continue
+        first = out if first is None else first
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(layers, xs, routes))
+            times.append(time.perf_counter() - t0)
+        same = bool(np.isfinite(out).all()) and np.array_equal(out.view(np.uint32), first.view(np.uint32))
+        say.row(label, f"{statistics.median(times) / args.layers * 1e3:.3f}", "equal" if same else "DIFFER",
+                f"{rel(out, first):.1e}")
+
+
+if __name__ == "__main__":
+    main()
