@@ -24,6 +24,7 @@ from lingjax.pallas.moe_align import PAIR_LIMIT, align_reference, moe_align
 from lingjax.pallas.moe_experts import (
     ExpertTuning,
     fused_experts,
+    many_token_tiles,
     one_token_tiles,
     routed_experts,
     supports_fused_experts,
@@ -194,6 +195,20 @@ def test_fused_experts_match_gathered(t, dtype):
         got = fused_experts(x, wg, wu, wd, weights, experts, limit)  # a row no kernel wrote stays NaN
         assert got.dtype == jnp.float32 and got.shape == (t, D)
         assert rel_err(got, want) <= TOL[dtype]  # rel_err also fails on any NaN
+
+
+def test_prefill_blocks_follow_the_pairs_per_expert_and_keep_every_row():
+    """A chunk averaging 16 pairs an expert takes 32-row blocks (Flash at 1024 tokens, not at 512), and a block's
+    size changes no row: the same bits at 16 and 32 rows, every row written (no NaN), against the reference."""
+    assert many_token_tiles(1024, 8, 512).block_m == 32 and many_token_tiles(512, 8, 512).block_m == 16
+    assert many_token_tiles(16, 4, 4).block_m == 32 and many_token_tiles(15, 4, 4) == ExpertTuning()
+    k, t = 4, 24
+    x, wg, wu, wd, weights, experts, shared = _expert_inputs(t, k, jnp.bfloat16, "blocks")
+    got16, got32 = (np.asarray(fused_experts(x, wg, wu, wd, weights, experts, 0.5, shared=shared, shared_limit=0.7,
+                                             tuning=ExpertTuning(block_m=m))) for m in (16, 32))
+    assert np.array_equal(got16.view(np.uint32), got32.view(np.uint32))
+    want = moe.experts_gathered(x, wg, wu, wd, weights, experts, 0.5) + moe.mlp(x, *shared, 0.7)
+    assert rel_err(got32, want) <= TOL[jnp.bfloat16]
 
 
 def test_fused_experts_single_token_plan_with_repeated_experts():

@@ -58,6 +58,7 @@ F32 = jnp.float32
 SHARED_MEMORY_BUDGET = 200 * 1024
 MIN_DOT_ROWS = 16  # a Triton dot's smallest tile dimension
 ONE_TOKEN_I_TILES = 12  # the decode's up kernel: I tiles per expert (one_token_tiles)
+PREFILL_BLOCK_M = 32  # a prefill chunk's expert blocks, where it averages BLOCK_M pairs an expert (many_token_tiles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,16 @@ def one_token_tiles(i_dim: int, fp8: bool = False) -> ExpertTuning:
     not keep up with at one program an SM (docs/kernels/moe.md)."""
     return dataclasses.replace(ExpertTuning(), bk_up=256, stages_up=3, warps_up=8 if fp8 else 4,
                                bn_up=pow2_tile(i_dim, max(16, i_dim // ONE_TOKEN_I_TILES)))
+
+
+def many_token_tiles(t: int, top_k: int, n_experts: int) -> ExpertTuning:
+    """A prefill chunk's tiles: blocks of PREFILL_BLOCK_M rows where the chunk's T·k pairs average at least BLOCK_M
+    an expert (Flash: T >= 1024), else the defaults. Every block reads its expert's whole weights and converts
+    them tile by tile, so an expert spanning several 16-row blocks is read and converted several times; 32-row
+    blocks halve that, and each row's sums are the same (docs/kernels/moe.md). 64-row blocks were slower."""
+    if t * top_k >= BLOCK_M * n_experts:
+        return dataclasses.replace(ExpertTuning(), block_m=PREFILL_BLOCK_M)
+    return ExpertTuning()
 
 
 def _stages_within(want: int, per_stage_bytes: int) -> int:
@@ -156,7 +167,7 @@ def supports_routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, 
     runs the same selection) and the experts' (supports_fused_experts)."""
     del w_up, limit, shared_limit, interpret
     t = x.shape[0] if tokens is None else tokens
-    tuning = _resolve(tuning, t, w_gate)
+    tuning = _resolve(tuning, t, w_gate, top_k)
     return (moe_router.supports(x, router_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
                                 scaling=scaling, renormalize=renormalize, precision=precision)
             or _experts_supports(x, w_gate, w_down, shared, tuning, routing=t == 1))
@@ -364,11 +375,13 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
                             interpret=interpret)
 
 
-def _resolve(tuning: ExpertTuning | None, t: int, w_gate) -> ExpertTuning:
-    """routed_experts' tiles: those given, else one_token_tiles at T = 1 and the defaults above."""
+def _resolve(tuning: ExpertTuning | None, t: int, w_gate, top_k: int) -> ExpertTuning:
+    """routed_experts' tiles: those given, else one_token_tiles at T = 1 and many_token_tiles above."""
     if tuning is not None:
         return tuning
-    return one_token_tiles(w_gate.shape[1], isinstance(w_gate, Fp8Array)) if t == 1 else ExpertTuning()
+    if t == 1:
+        return one_token_tiles(w_gate.shape[1], isinstance(w_gate, Fp8Array))
+    return many_token_tiles(t, top_k, w_gate.shape[0])
 
 
 @functools.partial(
@@ -386,12 +399,12 @@ def routed_experts(x, router_w, bias, w_gate, w_up, w_down, limit=0.0, *, top_k,
     rank the token's experts and take their own (moe_router.token_expert) and whose first shared-expert program
     publishes the whole routing (token_routing) for the down kernel; the same ids as the select kernel's.
     Above T = 1: moe_router.route, then fused_experts. The router takes RouterTuning's defaults; `tuning` is
-    the expert launches' (None: one_token_tiles at T = 1, ExpertTuning() above). Shapes it lowers for:
+    the expert launches' (None: one_token_tiles at T = 1, many_token_tiles above). Shapes it lowers for:
     supports_routed_experts.
     """
     interpret = resolve_interpret(interpret)
     t = x.shape[0] if tokens is None else tokens
-    tuning = _resolve(tuning, t, w_gate)
+    tuning = _resolve(tuning, t, w_gate, top_k)
     routing = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, scaling=float(scaling),
                    renormalize=bool(renormalize))
     if t > 1 or n_blocks_for(top_k, tuning.block_m, w_gate.shape[0]) != top_k:
