@@ -22,6 +22,7 @@ import time
 
 import jax
 import numpy as np
+from moe_bench import make_layer
 
 from common import BF16, F32, Report, add_options, config_of, heading, moe_shape, parser, progress, rel
 from lingjax import target
@@ -39,18 +40,10 @@ VARIANTS = [  # (label, tuning)
 ]
 
 
-def make_layer(key, shape, fp8: bool) -> dict:
-    """One MoE layer's random weights: router (bf16), bias, routed and shared experts (fp8 in 128 x 128 blocks)."""
-    d, i, e, s = shape.d, shape.i, shape.e, shape.shared
-    ks = jax.random.split(key, 8)
-
-    def w(k, size, fan_in, matrix=True):
-        a = (jax.random.normal(k, size, F32) * fan_in**-0.5).astype(BF16)
-        return quantize_on_device(a, device_block(a.shape, BLOCK)) if fp8 and matrix else a
-
-    return dict(router=w(ks[0], (e, d), d, matrix=False), bias=0.1 * jax.random.normal(ks[1], (e,), F32),
-                wg=w(ks[2], (e, i, d), d), wu=w(ks[3], (e, i, d), d), wd=w(ks[4], (e, d, i), i),
-                sg=w(ks[5], (s, d), d), su=w(ks[6], (s, d), d), sd=w(ks[7], (d, s), s))
+def fp8_layer(p: dict) -> dict:
+    """moe_bench.make_layer's weights with every expert matrix (routed and shared) in fp8, 128 x 128 blocks."""
+    q = lambda a: quantize_on_device(a, device_block(a.shape, BLOCK))  # noqa: E731
+    return {name: q(a) if name in ("wg", "wu", "wd", "sg", "su", "sd") else a for name, a in p.items()}
 
 
 def main(argv=None):
@@ -66,7 +59,8 @@ def main(argv=None):
     shape = moe_shape(config_of(args.model))
     say = Report(args.out)
     heading(say, f"moe_prefill_bench: {args.model}'s MoE layer at T = {args.tokens}, {args.weights} weights")
-    layers = [make_layer(jax.random.key(10 + l), shape, args.weights == "fp8") for l in range(args.layers)]
+    layers = [make_layer(jax.random.key(10 + l), shape) for l in range(args.layers)]
+    layers = [fp8_layer(p) for p in layers] if args.weights == "fp8" else layers
     xs = [jax.random.normal(jax.random.key(100 + l), (args.tokens, shape.d), F32).astype(BF16)
           for l in range(args.layers)]
     routes = [route(x, p["router"], p["bias"], **shape.routing) for x, p in zip(xs, layers)]
