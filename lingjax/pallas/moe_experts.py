@@ -101,7 +101,7 @@ def many_token_tiles(t: int, top_k: int, n_experts: int) -> ExpertTuning:
     """A prefill chunk's tiles: blocks of PREFILL_BLOCK_M rows where the chunk's T·k pairs average at least BLOCK_M
     an expert (Flash: T >= 1024), else the defaults. Every block reads its expert's whole weights and converts
     them tile by tile, so an expert spanning several 16-row blocks is read and converted several times; 32-row
-    blocks halve that, and each row's sums are the same (docs/kernels/moe.md). 64-row blocks were slower."""
+    blocks halve that, and each row's sums are the same (docs/kernels/moe.md)."""
     if t * top_k >= BLOCK_M * n_experts:
         return dataclasses.replace(ExpertTuning(), block_m=PREFILL_BLOCK_M)
     return ExpertTuning()
