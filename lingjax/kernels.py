@@ -63,6 +63,8 @@ OPS = {
     "linear": Op(linear_ops.rows_linear, "lingjax.pallas.linear:linear", "lingjax.pallas.linear:supports"),
     "mla_absorbed": Op(mla_ops.mla_absorbed, "lingjax.pallas.mla_decode:mla_decode_attention",
                        "lingjax.pallas.mla_decode:supports"),
+    "mla_expanded": Op(mla_ops.mla_expanded, "lingjax.pallas.mla_prefill:mla_prefill_attention",
+                       "lingjax.pallas.mla_prefill:supports"),
     "moe_route": Op(moe_ops.route, "lingjax.pallas.moe_router:route", "lingjax.pallas.moe_router:supports"),
     "moe_experts": Op(moe_ops.experts, "lingjax.pallas.moe_experts:fused_experts",
                       "lingjax.pallas.moe_experts:supports_fused_experts", moe_ops.experts_all_rows),

@@ -238,7 +238,7 @@ class MLAAttention(nnx.Module):
             entry = jnp.concatenate([c, k_pe], -1)[: paths.tokens].astype(cache.latent.dtype)
             latent = jax.lax.dynamic_update_slice_in_dim(cache.latent, entry, positions[0], axis=0)
         with jax.named_scope("mla_attention"):
-            core = paths.op("mla_absorbed") if paths.mla_absorbed else mla_ops.mla_expanded
+            core = paths.op("mla_absorbed" if paths.mla_absorbed else "mla_expanded")
             w_kvb, scale = dense(self.kv_b_proj[...], x.dtype), cfg.qk_head_dim**-0.5
             o = core(q_nope, q_pe, latent, w_kvb, positions, scale, tokens=paths.tokens)
             if paths.ex.tap is not None:  # the real rows' weights over the cache [T, H, L], for lingjax.inspection

@@ -23,6 +23,7 @@ TABLES = {
     "linear_bench": "| projection | [N, K] | variant | launch |",
     "gemm_bench": "| shape | [N, K] | variant | plan |",
     "moe_prefill_bench": "| tiles | ms per layer | bits | vs first |",
+    "mla_prefill_bench": "| start | variant | ms per layer | TFLOP/s |",
     "mla_kvb_ab": "| form | µs per layer | q_lat bits | o bits |",
     "draft_vocab_sweep": "| spec | S (verify width) | draft vocab |",
     "dispatch_bench": "| N | N arrays, read µs | N arrays donated, returned µs |",

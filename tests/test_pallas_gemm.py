@@ -79,6 +79,22 @@ def test_gemm_fp8_matches_reference(rows, n, k, block, tuning, out):
         assert rel_err(got, _exact(x, w)) < 1e-5  # the f32 sums themselves, not rounded through bf16
 
 
+@pytest.mark.parametrize("live", [1, 40, 64, 96])
+def test_live_rows_compute_the_prefix(live):
+    """With live_rows (traced) the M tiles starting before it equal the full product's bit for bit, fp8 weight or
+    plain; the tiles from it on are never written (interpret mode leaves its NaN fill there)."""
+    kx, kw = jax.random.split(key_for("pallas_gemm_live", live))
+    x = jax.random.normal(kx, (96, 256), F32).astype(BF16)
+    tuning = GemmTuning(bm=32, bn=64)
+    for w in ((jax.random.normal(kw, (128, 256), F32) * 0.06).astype(BF16), _fp8_weight(kw, (128, 256), (64, 128))):
+        full = np.asarray(gemm(x, w, F32, tuning=tuning, interpret=True))
+        part = np.asarray(jax.jit(lambda x, w, n: gemm(x, w, F32, live_rows=n, tuning=tuning, interpret=True))(
+            x, w, jnp.int32(live)))
+        computed = -(-live // 32) * 32
+        assert np.array_equal(part[:computed], full[:computed])
+        assert np.isnan(part[computed:]).all()
+
+
 def test_gemm_leading_dims_and_tiles_from_the_shape():
     """Leading dimensions are kept; the launch depends on the shapes alone (Flash's 2048-row chunk: 128 x 256
     tiles on a bf16 weight, 128 x 128 on an fp8 one of 128 x 128 blocks, K in 128-byte steps)."""

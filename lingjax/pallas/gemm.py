@@ -14,7 +14,9 @@ in bf16) and each scale block's partial sum is scaled before it is added (lingja
 product is Σ x·q·s with q·s exact in f32: the reference rounds q·s to x's dtype first, the kernel does not.
 
 x's rows are padded with zeros to a multiple of bm where bm does not divide them (no copy at the engine's
-power-of-2 chunks), and the padded rows are dropped after the launch.
+power-of-2 chunks), and the padded rows are dropped after the launch. With `live_rows` (a traced row count) the
+programs whose M tile starts at or past it return at once: a caller that reads only a prefix whose length is known
+on the device alone (MLA's prefill expands the cache up to the chunk's position) pays only for that prefix.
 """
 
 from __future__ import annotations
@@ -143,10 +145,22 @@ def supports(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpr
     return None
 
 
-def _kernel(x_ref, w_ref, *refs, bm, bn, bk, sub, gn, gk, k, scaled, swap):
-    # x_ref [Mp, K]; w_ref [N, K], plain or fp8; scaled: s_ref [N / gn, K / gk] f32 first; y_ref [Mp, N].
-    s_ref, y_ref = refs if scaled else (None, refs[0])
+def _kernel(*refs, live, **tiles):
+    # live: live_ref [1] int32 first; x_ref [Mp, K]; w_ref [N, K], plain or fp8; scaled: s_ref [N / gn, K / gk] f32;
+    # y_ref [Mp, N].
+    live_ref, refs = (refs[0], refs[1:]) if live else (None, refs)
+    x_ref, w_ref, *refs = refs
+    s_ref, y_ref = refs if tiles["scaled"] else (None, refs[0])
     m, n = pl.program_id(0), pl.program_id(1)
+    tile = functools.partial(_tile, x_ref, w_ref, s_ref, y_ref, m, n, **tiles)
+    if live:
+        pl.when(m * tiles["bm"] < live_ref[0])(tile)
+    else:
+        tile()
+
+
+def _tile(x_ref, w_ref, s_ref, y_ref, m, n, *, bm, bn, bk, sub, gn, gk, k, scaled, swap):
+    """Program (m, n)'s [bm, bn] tile of y."""
     rows, cols = pl.ds(pl.multiple_of(m * bm, bm), bm), pl.ds(pl.multiple_of(n * bn, bn), bn)
 
     def terms(start, ks, scale, part):  # one partial sum per scale block a K step spans (a plain weight: one)
@@ -165,11 +179,13 @@ def _kernel(x_ref, w_ref, *refs, bm, bn, bk, sub, gn, gk, k, scaled, swap):
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tuning", "interpret"))
-def gemm(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpret=None):
+def gemm(x, w, out_dtype=None, *, live_rows=None, tuning: GemmTuning = GemmTuning(), interpret=None):
     """x [..., K], w [N, K] (an array, or an Fp8Array read as fp8) -> [..., N] in out_dtype (default x's dtype),
     from f32 sums rounded once: lingjax.ops.linear.linear (for an fp8 weight without rounding the dequantized
     weight). w may be one layer of a stack (lingjax.stacked.LayerOf, or an Fp8Array of two), read in place. Under
-    tensor parallelism it takes the device's shards. Shapes it lowers for: supports."""
+    tensor parallelism it takes the device's shards. live_rows (an int32 scalar, may be traced; x 2-D): only the
+    first live_rows rows of the result are computed, the rest hold unspecified values. Shapes it lowers for:
+    supports."""
     interpret = resolve_interpret(interpret)
     lead, k = x.shape[:-1], x.shape[-1]
     if len(w.shape) != 2 or w.shape[1] != k:
@@ -183,11 +199,14 @@ def gemm(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpret=N
         flat = jnp.pad(flat, ((0, padded - m), (0, 0)))
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     operands = (flat, w.q, w.scale) if block is not None else (flat, w)
+    if live_rows is not None:
+        assert x.ndim == 2, "live_rows counts the rows of a 2-D x"
+        operands = (jnp.reshape(live_rows, (1,)).astype(jnp.int32), *operands)
     params = None if interpret else pltriton.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages)
     y = pallas_call(
         functools.partial(_kernel, bm=bm, bn=bn, bk=bk, sub=sub, gn=block[0] if block else bn,
                           gk=block[1] if block else bk, k=k, scaled=block is not None,
-                          swap=_swap(block, tuning)),
+                          swap=_swap(block, tuning), live=live_rows is not None),
         out_shape=jax.ShapeDtypeStruct((padded, n), out_dtype),
         grid=(padded // bm, n // bn),
         compiler_params=params,
