@@ -37,6 +37,7 @@ VARIANTS = [  # (label, tuning); None: XLA's expanded form
     ("pallas q 128, 8 warps", MLAPrefillTuning(block_q=128, num_warps=8)),
     ("pallas k 32", MLAPrefillTuning(block_k=32)),
     ("pallas stages 3", MLAPrefillTuning(num_stages=3)),
+    ("pallas, every tile masked", MLAPrefillTuning(unmasked_head=False)),
 ]
 
 

@@ -51,9 +51,11 @@ def test_matches_reference(dtype, start, tokens):
 
 
 @pytest.mark.parametrize("tuning", [MLAPrefillTuning(block_q=32, block_k=128), MLAPrefillTuning(block_q=16, block_k=8),
-                                    MLAPrefillTuning(block_q=64, block_k=64, num_warps=8, num_stages=3)])
+                                    MLAPrefillTuning(block_q=64, block_k=64, num_warps=8, num_stages=3),
+                                    MLAPrefillTuning(block_q=8, block_k=16, unmasked_head=False)])
 def test_tiles(tuning):
-    """Tiles change only the order of the sums (block_q above T: one block of every row)."""
+    """Tiles change only the order of the sums (block_q above T: one block of every row); without the unmasked
+    first loop every tile is masked."""
     _checked(_inputs(1, 32, 2, 128, jnp.float32), 30, 29, TOL[jnp.float32], tuning)
 
 

@@ -40,14 +40,16 @@ class MLAPrefillTuning:
     block_q: int = 64  # query rows per program, at most: the largest power of 2 up to this dividing T
     block_k: int = 64  # cache slots per key tile, at most: the largest power of 2 up to this dividing L
     num_warps: int = 4
-    num_stages: int = 2  # Triton's software pipelining of the key-tile loop
+    num_stages: int = 2  # Triton's software pipelining of the key-tile loops
+    unmasked_head: bool = True  # the tiles every row of a block sees whole in a loop of their own, without the mask
 
     def tiles(self, rows: int, capacity: int) -> tuple[int, int]:
         """(BQ, BK): query rows per program and cache slots per key tile."""
         return pow2_tile(rows, self.block_q), pow2_tile(capacity, self.block_k)
 
 
-def _kernel(qn_ref, qp_ref, pos_ref, kv_ref, cache_ref, o_ref, *, n, r, v, rank, block_q, block_k, tokens, scale):
+def _kernel(qn_ref, qp_ref, pos_ref, kv_ref, cache_ref, o_ref, *, n, r, v, rank, block_q, block_k, tokens, scale,
+            unmasked_head):
     # qn_ref [T, H·n], qp_ref [T, H·r] (head h's columns side by side); pos_ref [T] int32; kv_ref [L, H·(n+v)]
     # (head h: n key columns, then v value columns); cache_ref [L, R + r] (its last r columns: the roped shared
     # key) -> o_ref [T, H·v] f32, head h's v columns of rows [i BQ, (i + 1) BQ); rows from `tokens` on zero.
@@ -57,19 +59,22 @@ def _kernel(qn_ref, qp_ref, pos_ref, kv_ref, cache_ref, o_ref, *, n, r, v, rank,
     q_nope = qn_ref[rows, pl.ds(h * n, n)].astype(kv_ref.dtype)  # [BQ, n]
     q_pe = qp_ref[rows, pl.ds(h * r, r)].astype(cache_ref.dtype)  # [BQ, r]
     tiles = jnp.minimum(jnp.max(pos) // block_k + 1, kv_ref.shape[0] // block_k)  # the tiles holding a visible slot
+    # the tiles every row sees whole (slots <= the block's first position) need no mask: the first loop skips it
+    whole = jnp.minimum((jnp.min(pos) + 1) // block_k, tiles) if unmasked_head else 0
 
-    def fold(j, carry):
+    def fold(j, carry, masked: bool):
         m, l, acc = carry
         start = pl.multiple_of(j * block_k, block_k)
         slots = pl.ds(start, block_k)
         k_nope = kv_ref[slots, pl.ds(h * (n + v), n)]  # [BK, n]
         k_pe = cache_ref[slots, pl.ds(rank, r)]  # [BK, r]
         scores = jax.lax.dot_general(q_nope, k_nope, _NT, preferred_element_type=F32)
-        scores += jax.lax.dot_general(q_pe, k_pe, _NT, preferred_element_type=F32)
-        visible = (start + jnp.arange(block_k))[None, :] <= pos[:, None]
-        scores = jnp.where(visible, scores * scale, -jnp.inf)  # [BQ, BK]
+        scores = (scores + jax.lax.dot_general(q_pe, k_pe, _NT, preferred_element_type=F32)) * scale  # [BQ, BK]
+        if masked:
+            visible = (start + jnp.arange(block_k))[None, :] <= pos[:, None]
+            scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-        base = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no slot seen yet: keep e^(-inf - base) = 0
+        base = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new  # no slot seen yet: e^(-inf - 0) = 0
         alpha = jnp.exp(m - base)
         p = jnp.exp(scores - base[:, None])
         value = kv_ref[slots, pl.ds(h * (n + v) + n, v)]  # [BK, v]
@@ -77,7 +82,8 @@ def _kernel(qn_ref, qp_ref, pos_ref, kv_ref, cache_ref, o_ref, *, n, r, v, rank,
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
     init = (jnp.full((block_q,), -jnp.inf, F32), jnp.zeros((block_q,), F32), jnp.zeros((block_q, v), F32))
-    _, l, acc = jax.lax.fori_loop(0, tiles, fold, init)
+    carry = jax.lax.fori_loop(0, whole, functools.partial(fold, masked=False), init)
+    _, l, acc = jax.lax.fori_loop(whole, tiles, functools.partial(fold, masked=True), carry)
     real = (i * block_q + jnp.arange(block_q)) < tokens
     o_ref[rows, pl.ds(h * v, v)] = jnp.where(real[:, None], acc / l[:, None], 0.0)
 
@@ -149,7 +155,7 @@ def mla_prefill_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, token
     params = None if interpret else pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
     o = pallas_call(
         functools.partial(_kernel, n=n, r=r, v=v, rank=rank, block_q=block_q, block_k=block_k, tokens=tokens,
-                          scale=float(scale)),
+                          scale=float(scale), unmasked_head=tuning.unmasked_head),
         grid=(t // block_q, h),
         out_shape=jax.ShapeDtypeStruct((t, h * v), F32),
         compiler_params=params,
