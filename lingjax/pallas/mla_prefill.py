@@ -59,7 +59,7 @@ def _kernel(qn_ref, qp_ref, pos_ref, kv_ref, cache_ref, o_ref, *, n, r, v, rank,
     q_nope = qn_ref[rows, pl.ds(h * n, n)].astype(kv_ref.dtype)  # [BQ, n]
     q_pe = qp_ref[rows, pl.ds(h * r, r)].astype(cache_ref.dtype)  # [BQ, r]
     tiles = jnp.minimum(jnp.max(pos) // block_k + 1, kv_ref.shape[0] // block_k)  # the tiles holding a visible slot
-    # the tiles every row sees whole (slots <= the block's first position) need no mask: the first loop skips it
+    # the tiles every row sees whole (slots <= the block's first position) need no mask: a loop of their own
     whole = jnp.minimum((jnp.min(pos) + 1) // block_k, tiles) if unmasked_head else 0
 
     def fold(j, carry, masked: bool):
@@ -88,11 +88,6 @@ def _kernel(qn_ref, qp_ref, pos_ref, kv_ref, cache_ref, o_ref, *, n, r, v, rank,
     o_ref[rows, pl.ds(h * v, v)] = jnp.where(real[:, None], acc / l[:, None], 0.0)
 
 
-def _expanded_dtype(cache):
-    """The expanded keys' and values' dtype: the cache's (bf16 or f32)."""
-    return jnp.dtype(cache.dtype)
-
-
 def supports(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens=None,
              tuning: MLAPrefillTuning = MLAPrefillTuning(), interpret=None) -> str | None:
     """None when mla_prefill_attention lowers to Triton and computes right on the GPU for these arguments (only
@@ -101,9 +96,9 @@ def supports(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens=None,
     key tiles within shared memory."""
     del positions, scale, tokens, interpret
     rows, _, n = q_nope.shape
-    r, rank, capacity = q_pe.shape[-1], w_kvb.shape[-1], cache.shape[0]
+    r, capacity = q_pe.shape[-1], cache.shape[0]
     v = w_kvb.shape[0] // q_nope.shape[1] - n
-    dtype = _expanded_dtype(cache)
+    dtype = jnp.dtype(cache.dtype)  # the expanded keys' and values' too
     if dtype not in _MIN_K:
         return f"MLA cache dtype {dtype} is neither bfloat16 nor float32, the two the kernel's dots take"
     for dim, what in ((n, "nope head dim"), (r, "rope head dim"), (v, "value head dim")):
@@ -120,7 +115,6 @@ def supports(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens=None,
     shared = tuning.num_stages * block_k * (n + r + v) * dtype.itemsize
     if shared > SHARED_BYTES:
         return f"{tuning.num_stages} stages of {block_k}-slot key tiles: {shared} bytes of shared memory"
-    del rank
     return None
 
 
@@ -129,8 +123,7 @@ def expand(cache, w_kvb, live_rows, interpret: bool):
     sums, one rounding), computed for the first live_rows slots (an int32 scalar, traced; the rest unspecified).
     The Pallas GEMM (the step programs compile with XLA's GEMM autotuning off), or XLA's over every slot where the
     GPU's GEMM kernel does not take the shapes (interpret mode takes any)."""
-    latent = cache[:, : w_kvb.shape[-1]]
-    dtype = _expanded_dtype(cache)
+    latent, dtype = cache[:, : w_kvb.shape[-1]], jnp.dtype(cache.dtype)
     w = w_kvb.astype(dtype)
     if interpret or gemm_kernel.supports(latent, w, dtype) is None:
         return gemm_kernel.gemm(latent, w, dtype, live_rows=live_rows, interpret=interpret)
