@@ -36,6 +36,9 @@ def _add_common(p: argparse.ArgumentParser, *, pairs: bool) -> None:
     p.add_argument("--n", type=int, default=10, help="steady-state steps timed and traced")
     p.add_argument("--prompt-len", type=int, default=32,
                    help="prompt tokens (random ids) before the steps; --program prefill: the chunk's tokens")
+    p.add_argument("--start", type=int, default=0,
+                   help="--program prefill: the chunk's first position, as a later chunk of a longer prompt (the "
+                        "cache sized as the engine sizes it for a prompt ending with the chunk)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and activations")
     p.add_argument("--router-precision", choices=["f32", "bf16"], default="f32", help="MoE gate GEMV operands")
@@ -82,6 +85,10 @@ def _check(args, name: str, cfg) -> None:
     if args.program == "prefill" and args.prompt_len > PREFILL_CHUNK:
         raise cli.UsageError(f"--program prefill --prompt-len {args.prompt_len}: one chunk holds at most "
                              f"{PREFILL_CHUNK} tokens (the engine prefills a longer prompt chunk by chunk)")
+    if args.start and args.program != "prefill":
+        raise cli.UsageError(f"--start {args.start} places a prefill chunk: it needs --program prefill")
+    if args.start < 0:
+        raise cli.UsageError(f"--start {args.start}: a position, at least 0")
     if args.program in ("decode", "prefill") and args.steps is not None:
         raise cli.UsageError("--steps counts a round's drafts: it needs --program nextn or dspark")
     if args.steps is not None and args.steps < 1:
@@ -91,6 +98,9 @@ def _check(args, name: str, cfg) -> None:
     if args.prompt_len > cfg.max_position_embeddings // 2:
         raise cli.UsageError(f"--prompt-len {args.prompt_len}: at most half the context "
                              f"({cfg.max_position_embeddings // 2})")
+    if args.start + args.prompt_len > cfg.max_position_embeddings // 2:
+        raise cli.UsageError(f"--start {args.start} --prompt-len {args.prompt_len}: the chunk must end within half "
+                             f"the context ({cfg.max_position_embeddings // 2})")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise cli.UsageError(f"--out {args.out}: exists and is not a directory")
     cli._check_devices(cfg, args, name)
@@ -133,7 +143,7 @@ def profile_model(model, args, out: Path | None):
     from lingjax import profiling, steady
 
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, args.prompt_len).astype(np.int32)
-    program = steady.steady_program(model, args.program, prompt, args.steps)
+    program = steady.steady_program(model, args.program, prompt, args.steps, start=args.start)
     label = f"{program.name}, kernels {model.kernels}, tp {model.tp}"
     _say(f"{label}: compiling")
     program.launcher(2)()
@@ -265,6 +275,8 @@ def _profile_argv(args) -> list[str]:
         argv += ["--checkpoint", str(args.checkpoint.resolve())]
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
+    if args.start:
+        argv += ["--start", str(args.start)]
     return argv + (["--no-cache"] if args.no_cache else [])
 
 

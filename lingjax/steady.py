@@ -3,8 +3,9 @@
 A program here is the plain decode step (T=1), a NEXTN round (the MTP chain's S drafts, verify S+1) or a
 DSpark round (the drafter's block, verify block+1), each run after a prompt's prefill exactly as the engine
 runs it (lingjax.engine, lingjax.spec.step); or one prefill chunk (the prompt, padded as the engine pads a chunk),
-each call prefilling it again at position 0 into the same cache. `Steady` holds the three things a measurement
-needs: a fresh state, one call, and the call's optimised HLO (for the census's named scopes, lingjax.profiling).
+each call prefilling it again at the same position (0, or a later chunk's) into the same cache. `Steady` holds
+the three things a measurement needs: a fresh state, one call, and the call's optimised HLO (for the census's named
+scopes, lingjax.profiling).
 
     steady = steady_program(model, "decode", prompt)
     launch = steady.launcher(20)          # a fresh state with room for 20 calls
@@ -54,9 +55,12 @@ class Steady:
         return self.lower(self.prepare(1))
 
 
-def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = None, per_call: int = 1) -> Steady:
+def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = None, per_call: int = 1,
+                   start: int = 0) -> Steady:
     """The steady state of `program` (PROGRAMS) on `model` after `prompt` (int32 [P]; prefill: the chunk), greedy.
     steps: drafts per round (nextn: default lingjax.config.DEFAULT_STEPS; dspark: the drafter's block size).
+    start (prefill): the chunk's first position; the cache has the capacity the engine gives a prompt ending with
+    the padded chunk (lingjax.engine.cache_capacity), its earlier slots zero.
     per_call: steps (decode) or rounds run in one device call (a lax.scan: rounds_per_call); a call then outputs
     per_call steps' results. The cache has room for 6 tokens a step of n calls (what bench/step_bench has always
     timed: an MLA step reads its whole cache, so the room is part of the figure)."""
@@ -85,10 +89,11 @@ def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = 
         prefill, _ = model.step_programs(sampling)
         chunk = np.zeros(engine.prefill_bucket(prompt.size), np.int32)
         chunk[: prompt.size] = prompt
+        capacity = engine.cache_capacity(start + chunk.size, 0)
 
         def prepare(n):
             del n  # every call writes the same positions
-            return model.new_cache(chunk.size), *model.put((chunk, np.int32(0), np.int32(prompt.size)))
+            return model.new_cache(capacity), *model.put((chunk, np.int32(start), np.int32(prompt.size)))
 
         def call(state):
             cache, tokens, start, n_valid = state
@@ -98,7 +103,8 @@ def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = 
         def lower(state):
             return prefill.lower(model.weights, *state, key).compile().as_text()
 
-        return Steady(f"prefill chunk T={chunk.size}", prepare, call, lower)
+        return Steady(f"prefill chunk T={chunk.size}" + (f" at position {start}" if start else ""), prepare, call,
+                      lower)
     if program not in PROGRAMS:
         raise ValueError(f"unknown program {program!r} (one of {', '.join(PROGRAMS)})")
     drafter = engine.make_drafter(model, program, steps)

@@ -25,6 +25,9 @@ def _error(capsys, argv) -> str:
     (["profile", "--steps", "3"], "needs --program nextn or dspark"),
     (["profile", "--program", "prefill", "--steps", "3"], "needs --program nextn or dspark"),
     (["profile", "--program", "prefill", "--prompt-len", "4096"], "one chunk holds at most 2048 tokens"),
+    (["profile", "--start", "64"], "--start 64 places a prefill chunk: it needs --program prefill"),
+    (["profile", "--program", "prefill", "--start", "-1"], "--start -1: a position"),
+    (["profile", "--program", "prefill", "--start", "2040", "--prompt-len", "16"], "must end within half the context"),
     (["profile", "--n", "0"], "--n 0: at least one step"),
     (["profile", "--program", "nextn", "--steps", "0"], "--steps 0: at least one draft"),
     (["profile", "--prompt-len", "0"], "--prompt-len 0"),
@@ -154,15 +157,17 @@ def test_profile_the_shipped_decode_on_the_cpu(tmp_path, capsys):
     assert len(census.top) == 15 and census.top[0]["us"] >= census.top[-1]["us"] > 0
 
 
-def test_profile_a_prefill_chunk_on_the_cpu(capsys):
-    """--program prefill: one chunk, padded as the engine pads it (40 tokens -> 64), its census; every program the
-    command offers is one lingjax.steady runs."""
+@pytest.mark.parametrize("start", [0, 100])
+def test_profile_a_prefill_chunk_on_the_cpu(capsys, start):
+    """--program prefill: one chunk, padded as the engine pads it (40 tokens -> 64), its census, at position 0 or as
+    a later chunk (--start); every program the command offers is one lingjax.steady runs."""
     from lingjax import steady
 
     assert set(profile_command.PROGRAMS) == set(steady.PROGRAMS)
-    assert cli.main(["profile", "--program", "prefill", "--prompt-len", "40", "--n", "1"]) == 0
+    argv = ["profile", "--program", "prefill", "--prompt-len", "40", "--n", "1", "--start", str(start)]
+    assert cli.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "program prefill chunk T=64" in printed and "| KDA | " in printed
+    assert f"program prefill chunk T=64{' at position 100' if start else ''}," in printed and "| KDA | " in printed
 
 
 def test_compare_dense_and_fp8_weights_in_one_command(tmp_path, capsys):
