@@ -18,14 +18,11 @@ against XLA's output relative to its largest value (bf16 keys, values and weight
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import BF16, F32, Report, add_options, config_of, heading, parser, progress, rel
+from common import BF16, F32, Report, add_options, config_of, heading, median_seconds, parser, progress, rel
 from lingjax import target
 from lingjax.execution import step_compiler_options
 from lingjax.ops.mla import mla_expanded
@@ -94,12 +91,7 @@ def main(argv=None):
             except Exception as e:  # a tiling that does not compile or launch: reported, the others still run
                 say.row(start, label, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:90]}", "", "", "")
                 continue
-            times = []
-            for _ in range(args.reps):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(layers, positions))
-                times.append(time.perf_counter() - t0)
-            ms = statistics.median(times) / args.layers * 1e3
+            ms = median_seconds(fn, layers, positions, reps=args.reps) / args.layers * 1e3
             if tuning is None:
                 base_ms, base_out = ms, out
             flops = useful_flops(cfg, args.tokens, start) / (ms * 1e-3) / 1e12

@@ -17,14 +17,11 @@ variant's bit for bit (the pairs' sums do not depend on the block); `vs first` i
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import numpy as np
 from moe_bench import make_layer
 
-from common import BF16, F32, Report, add_options, config_of, heading, moe_shape, parser, progress, rel
+from common import BF16, F32, Report, add_options, config_of, heading, median_seconds, moe_shape, parser, progress, rel
 from lingjax import target
 from lingjax.execution import step_compiler_options
 from lingjax.ops.fp8 import BLOCK, device_block, quantize_on_device
@@ -83,13 +80,9 @@ def main(argv=None):
             say.row(label, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:90]}", "", "")
             continue
         first = out if first is None else first
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(layers, xs, routes))
-            times.append(time.perf_counter() - t0)
+        ms = median_seconds(fn, layers, xs, routes, reps=args.reps) / args.layers * 1e3
         same = bool(np.isfinite(out).all()) and np.array_equal(out.view(np.uint32), first.view(np.uint32))
-        say.row(label, f"{statistics.median(times) / args.layers * 1e3:.3f}", "equal" if same else "DIFFER",
+        say.row(label, f"{ms:.3f}", "equal" if same else "DIFFER",
                 f"{rel(out, first):.1e}")
 
 

@@ -96,9 +96,9 @@ def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = 
             return model.new_cache(capacity), *model.put((chunk, np.int32(start), np.int32(prompt.size)))
 
         def call(state):
-            cache, tokens, start, n_valid = state
-            token, cache = prefill(model.weights, cache, tokens, start, n_valid, key)
-            return (cache, tokens, start, n_valid), token
+            cache, tokens, first, n_valid = state
+            token, cache = prefill(model.weights, cache, tokens, first, n_valid, key)
+            return (cache, tokens, first, n_valid), token
 
         def lower(state):
             return prefill.lower(model.weights, *state, key).compile().as_text()

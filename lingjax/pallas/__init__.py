@@ -19,6 +19,7 @@ from lingjax.stacked import unstack_operands
 _find_triton_dialect()
 
 _NT = (((1,), (1,)), ((), ()))  # contract a's and b's last dims: a [M, K] · b [N, K]ᵀ
+_NN = (((1,), (0,)), ((), ()))  # a [M, K] · b [K, N]
 
 # At T = 1 a kernel whose dot takes 16 copies of x's one row (moe_experts' up kernel, moe_router's GEMV,
 # linear) reads the row once and broadcasts it when one load of it spans at least this many bytes per 4

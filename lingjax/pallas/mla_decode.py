@@ -20,11 +20,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lingjax.ops.mla import absorb_query
-from lingjax.pallas import _NT, is_pow2, pallas_call, pow2_tile, resolve_interpret
+from lingjax.pallas import _NN, _NT, is_pow2, pallas_call, pow2_tile, resolve_interpret
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 BM = 16  # query rows per program: the tensor cores' minimum M; one token's heads at H = 16 (Flash at TP2)
-_NN = (((1,), (0,)), ((), ()))  # a [M, K] · b [K, N]
 # The least contraction a tensor-core dot computes right on the H200 (bf16 operands, or f32 ones as TF32); the
 # Triton IR lowers smaller ones, which then give wrong results (docs/kernels/mla.md).
 _MIN_K = {jnp.dtype(BF16): 16, jnp.dtype(F32): 8}

@@ -24,13 +24,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.pallas import _NT, MIN_DOT_K, is_pow2, pallas_call, pow2_tile, resolve_interpret
+from lingjax.pallas import _NN, _NT, is_pow2, pallas_call, pow2_tile, resolve_interpret
 from lingjax.pallas import gemm as gemm_kernel
+from lingjax.pallas.mla_decode import _MIN_K  # the least contraction a tensor-core dot computes right
 
-F32, BF16 = jnp.float32, jnp.bfloat16
-_NN = (((1,), (0,)), ((), ()))  # a [M, K] · b [K, N]
-_MIN_K = {jnp.dtype(BF16): MIN_DOT_K, jnp.dtype(F32): 8}  # the least contraction a tensor-core dot computes right
-SHARED_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
+F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +111,7 @@ def supports(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens=None,
     if block_q < 16:
         return f"MLA prefill query tiles of {block_q} rows ({rows} rows) are under the 16 of a tensor-core dot"
     shared = tuning.num_stages * block_k * (n + r + v) * dtype.itemsize
-    if shared > SHARED_BYTES:
+    if shared > gemm_kernel.SHARED_BYTES:
         return f"{tuning.num_stages} stages of {block_k}-slot key tiles: {shared} bytes of shared memory"
     return None
 
