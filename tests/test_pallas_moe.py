@@ -211,6 +211,22 @@ def test_prefill_blocks_follow_the_pairs_per_expert_and_keep_every_row():
     assert rel_err(got32, want) <= TOL[jnp.bfloat16]
 
 
+def test_fused_experts_without_tuning_take_the_chunks_tiles(monkeypatch):
+    """The model's prefill calls fused_experts with no tuning: the tiles come from many_token_tiles (32-row
+    blocks for a chunk this full), in the kernel and in its supports()."""
+    from lingjax.pallas import moe_experts
+    asked = []
+    real = moe_experts.many_token_tiles
+    monkeypatch.setattr(moe_experts, "many_token_tiles", lambda *a: asked.append(a) or real(*a))
+    k, t = 4, 64  # 16 pairs an expert; a shape no other test traces, so the jitted call traces here
+    x, wg, wu, wd, weights, experts, shared = _expert_inputs(t, k, jnp.bfloat16, "untuned")
+    assert supports_fused_experts(x, wg, wu, wd, weights, experts, 0.5) is None
+    got = np.asarray(fused_experts(x, wg, wu, wd, weights, experts, 0.5))
+    assert asked == [(t, k, E), (t, k, E)] and real(t, k, E).block_m == 32
+    want = np.asarray(fused_experts(x, wg, wu, wd, weights, experts, 0.5, tuning=ExpertTuning(block_m=32)))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_fused_experts_single_token_plan_with_repeated_experts():
     """T = 1 takes the align-free plan; a token routed to one expert k times (not what routing
     produces, but the kernel must not assume distinct ids for correctness) still sums correctly."""

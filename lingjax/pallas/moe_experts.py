@@ -149,13 +149,16 @@ def _experts_supports(x, w_gate, w_down, shared, tuning: ExpertTuning, routing: 
 
 
 def supports_fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, tokens=None, shared=None,
-                           shared_limit=0.0, tuning: ExpertTuning = ExpertTuning(), interpret=None) -> str | None:
+                           shared_limit=0.0, tuning: ExpertTuning | None = None, interpret=None) -> str | None:
     """None when `fused_experts` with these arguments (arrays or ShapeDtypeStructs) lowers to Triton and computes
     right on the GPU, else why not. Its tiles are powers of 2 dividing their dimensions by construction
     (pow2_tile) and the align's blocks powers of 2 (moe_align): refused are a K step under MIN_DOT_K on 16-bit
     operands (a hidden size or expert width with a small power-of-2 factor), a tuning's block_m that is no power
     of 2, and a shared expert of another width than the experts'."""
-    del w_up, weights, experts, limit, tokens, shared_limit, interpret
+    del w_up, weights, limit, shared_limit, interpret
+    t = x.shape[0] if tokens is None else tokens
+    if tuning is None:
+        tuning = many_token_tiles(t, experts.shape[1], w_gate.shape[0])
     return _experts_supports(x, w_gate, w_down, shared, tuning, routing=False)
 
 
@@ -347,7 +350,7 @@ def _single_token_slots(top_k: int, block_m: int):
 
 @functools.partial(jax.jit, static_argnames=("limit", "tokens", "shared_limit", "tuning", "interpret"))
 def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, tokens=None, shared=None,
-                  shared_limit=0.0, tuning: ExpertTuning = ExpertTuning(), interpret=None):
+                  shared_limit=0.0, tuning: ExpertTuning | None = None, interpret=None):
     """Σ_k w·E_k(x) as [T, D] f32; same arguments and result as `experts_gathered`.
 
     x: [R, D]; w_gate/w_up: [E, I, D]; w_down: [E, D, I] (torch [out, in]); weights: [R, k] f32;
@@ -355,6 +358,7 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     verify's zero-padded rows (lingjax/model.py, row invariance) cost no slicing launches.
     `shared=(w_gate [I, D], w_up [I, D], w_down [D, I])` also runs the shared expert (clamped at
     `shared_limit`) as extra blocks of the same two launches and adds it, unweighted, to the result.
+    `tuning`: the launches' tiles (None: many_token_tiles, so a prefill chunk takes its larger blocks).
     Shapes it lowers for: supports_fused_experts.
     """
     interpret = resolve_interpret(interpret)
@@ -363,6 +367,8 @@ def fused_experts(x, w_gate, w_up, w_down, weights, experts, limit=0.0, *, token
     if not 1 <= t <= rows or weights.shape[0] != rows or experts.shape[0] != rows:
         raise ValueError(f"tokens={tokens} for x {x.shape}, weights {weights.shape}, experts {experts.shape}")
     top_k = experts.shape[1]
+    if tuning is None:
+        tuning = many_token_tiles(t, top_k, w_gate.shape[0])
     block_m = tuning.block_m
     n_blocks = n_blocks_for(t * top_k, block_m, w_gate.shape[0])
     if t == 1 and n_blocks == top_k:
