@@ -56,6 +56,8 @@ TUNINGS = [
     GemmTuning(swap=True, warps=4, stages=4),
     GemmTuning(swap=True, bm=256, stages=3),
     GemmTuning(bk=256),
+    GemmTuning(fp8_dots="f16"),  # fp8 weights alone: x in f16, each weight tile converted to f16
+    GemmTuning(swap=False, fp8_dots="f16"),
 ]
 DEFAULT = GemmTuning()
 # the kernel on the fp8 values converted to bf16 in HBM first (one XLA convert, exact: e4m3 fits bf16), with the same
@@ -148,11 +150,16 @@ def main(argv=None):
         first = None
         for tuning in TUNINGS:
             name = tuning_name(tuning)
+            if tuning.fp8_dots != DEFAULT.fp8_dots and not fp8:
+                continue  # the same launch as another row's on a plain weight
             if reason := supports(x, w, tuning=tuning):
                 row(name, "", f"unsupported: {reason}", "", "", "", "")
                 continue
             r = timed(name, lambda tuning=tuning: compiled(lambda x, w: gemm(x, w, tuning=tuning), (x, w), off))
             if r is not None:
+                if first is not None and tuning.fp8_dots != DEFAULT.fp8_dots:
+                    same = np.array_equal(np.asarray(r[0], np.float32), np.asarray(first, np.float32))
+                    name += " (same bits as the default's)" if same else " (DIFFER from the default's bits)"
                 report(name, plan_label(x, w, tuning), *r)
                 first = r[0] if tuning == DEFAULT else first
         if fp8 and first is not None:  # the fp8 values in bf16 first (exact), then the same launch: the same bits

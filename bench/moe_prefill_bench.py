@@ -1,5 +1,6 @@
 """A prefill chunk's routed experts (lingjax.pallas.moe_experts.fused_experts above 16 tokens) at several expert
-block sizes: time per layer, rows bit-equal to the default's, on Flash's MoE layer with fp8 or bf16 weights.
+block sizes and both forms of the fp8 dots (ExpertTuning.fp8_dots): time per layer, rows bit-equal to the first
+variant's, on Flash's MoE layer with fp8 or bf16 weights.
 
     python bench/moe_prefill_bench.py --out moe_prefill.md             # T = 2048, fp8, block_m 16 .. 128
     python bench/moe_prefill_bench.py --weights dense --tokens 512
@@ -29,8 +30,10 @@ from lingjax.pallas.moe_experts import ExpertTuning, fused_experts
 from lingjax.pallas.moe_router import route
 
 VARIANTS = [  # (label, tuning)
-    ("block_m 16 (the default)", ExpertTuning()),
-    ("block_m 32", ExpertTuning(block_m=32)),
+    ("block_m 16", ExpertTuning()),
+    ("block_m 32 (many_token_tiles at 1024 tokens and up)", ExpertTuning(block_m=32)),
+    ("block_m 32, fp8 dots in f16", ExpertTuning(block_m=32, fp8_dots="f16")),
+    ("block_m 16, fp8 dots in f16", ExpertTuning(fp8_dots="f16")),
     ("block_m 64", ExpertTuning(block_m=64)),
     ("block_m 128", ExpertTuning(block_m=128)),
     ("block_m 64, 8 warps", ExpertTuning(block_m=64, warps_up=8, warps_down=8)),
@@ -66,7 +69,7 @@ def main(argv=None):
         f"each on average, {counts.max()} at most")
     say.table("tiles", "ms per layer", "bits", "vs first")
     first = None
-    for label, tuning in VARIANTS[:3] if args.smoke else VARIANTS:
+    for label, tuning in VARIANTS[:4] if args.smoke else VARIANTS:
         def run(layers, xs, routes, tuning=tuning):
             return [fused_experts(x, p["wg"], p["wu"], p["wd"], w, ids, shape.limit,
                                   shared=(p["sg"], p["su"], p["sd"]), shared_limit=shape.shared_limit, tuning=tuning)

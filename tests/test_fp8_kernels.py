@@ -2,6 +2,8 @@
 interpret mode against their plain-JAX references on fresh random inputs, and their supports() against the Triton
 lowering for an H200 at Flash's shapes at TP 1, 2, 4 and 8 (where a shard cuts the 128 x 128 blocks)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ from lingjax.model import fp8_layout
 from lingjax.ops import fp8
 from lingjax.ops import moe as moe_ops
 from lingjax.ops.linear import linear
-from lingjax.pallas import X_ROW_MIN_BYTES, moe_experts, reads_one_row, x_row_mode
+from lingjax.pallas import FP8_DOTS, X_ROW_MIN_BYTES, moe_experts, reads_one_row, x_row_mode
 from lingjax.pallas.linear import ROWS, LinearTuning, plan, supports
 from lingjax.pallas.linear import linear as pallas_linear
 
@@ -158,12 +160,16 @@ MOE_CASES = [  # (T, blocks of gate/up, blocks of down, shared expert)
 ]
 
 
+@pytest.mark.parametrize("dots", FP8_DOTS)
 @pytest.mark.parametrize("t,up_block,down_block,with_shared", MOE_CASES)
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-def test_fp8_routed_experts_match_reference(t, up_block, down_block, with_shared, dtype):
+def test_fp8_routed_experts_match_reference(t, up_block, down_block, with_shared, dtype, dots):
     """routed_experts with fp8 experts (and shared expert) = the reference on the weights dequantized to f32 (f32
     activations: to reassociation; bf16: within h's rounding to bf16, which a reassociated sum may flip), and
-    within bf16's rounding of the reference op on the fp8 weights themselves (dequantized to x's dtype)."""
+    within bf16's rounding of the reference op on the fp8 weights themselves (dequantized to x's dtype); with
+    either form of the fp8 dots (f16: bf16 rows passed in f16, exact there, h rounded to bf16 first)."""
+    if dots == "f16" and dtype == F32:
+        pytest.skip("f16 dots take bf16 rows alone")
     e, i, d, k = 16, 64, 128, 4
     keys = jax.random.split(key_for("fp8_moe", t, up_block, down_block, with_shared), 9)
     wg, wu = _weight(keys[0], (e, i, d), up_block), _weight(keys[1], (e, i, d), up_block)
@@ -175,6 +181,8 @@ def test_fp8_routed_experts_match_reference(t, up_block, down_block, with_shared
     router, bias = jax.random.normal(keys[7], (e, d), F32) * 0.1, jax.random.normal(keys[8], (e,), F32) * 0.1
     routing = dict(top_k=k, n_group=4, topk_group=2, scaling=2.5, renormalize=True)
     extra = dict(shared=shared, shared_limit=7.0) if with_shared else {}
+    if dots != "x":
+        extra["tuning"] = dataclasses.replace(moe_experts._resolve(None, t, wg, k), fp8_dots=dots)
     assert moe_experts.supports_routed_experts(x, router, bias, wg, wu, wd, 4.0, tokens=t, **routing, **extra) is None
     got = moe_experts.routed_experts(x, router, bias, wg, wu, wd, 4.0, tokens=t, **routing, **extra, interpret=True)
     assert got.shape == (t, d)
@@ -183,6 +191,7 @@ def test_fp8_routed_experts_match_reference(t, up_block, down_block, with_shared
     exact = moe_ops.routed_experts(x, router, bias, f32(wg), f32(wu), f32(wd), 4.0, tokens=t, **routing,
                                    **exact_extra)
     assert rel_err(got, exact) < (1e-5 if dtype == F32 else 1e-2)
+    extra.pop("tuning", None)
     assert rel_err(got, moe_ops.routed_experts(x, router, bias, wg, wu, wd, 4.0, tokens=t, **routing, **extra)) < (
         1e-5 if dtype == F32 else 3e-2)
 

@@ -79,6 +79,31 @@ def test_gemm_fp8_matches_reference(rows, n, k, block, tuning, out):
         assert rel_err(got, _exact(x, w)) < 1e-5  # the f32 sums themselves, not rounded through bf16
 
 
+def _normal_range_rows(key, shape):
+    """bf16 values of random sign and magnitudes 2^-8..2^8: all inside f16's normal range (exact there)."""
+    ks, km = jax.random.split(key)
+    sign = jnp.where(jax.random.bernoulli(ks, 0.5, shape), 1.0, -1.0)
+    return (sign * 2.0 ** jax.random.uniform(km, shape, F32, -8.0, 8.0)).astype(BF16)
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_gemm_fp8_f16_dots_are_exact(swap):
+    """fp8_dots "f16" (x passed in f16, each weight tile converted to f16) keeps every product exact, as the
+    default (tiles in bf16) does: both are f32 sums of the exact products, for x inside f16's range; a value past it
+    is held at ±65280 (a finite row, as if x were clipped there)."""
+    kx, kw = jax.random.split(key_for("pallas_gemm_f16_dots", swap))
+    x = _normal_range_rows(kx, (64, 256))
+    w = _fp8_weight(kw, (128, 256), (64, 128))
+    tunings = [GemmTuning(bm=32, bn=64, swap=swap, fp8_dots=dots) for dots in ("x", "f16")]
+    as_x, as_f16 = (np.asarray(gemm(x, w, F32, tuning=t, interpret=True)) for t in tunings)
+    exact = _exact(x, w)
+    assert rel_err(as_x, exact) < 1e-5 and rel_err(as_f16, exact) < 1e-5  # rel_err also fails on any NaN
+    big = x.at[3, 7].set(3e5).at[5, 9].set(-3e5)
+    got = gemm(big, w, F32, tuning=tunings[1], interpret=True)
+    assert rel_err(got, _exact(jnp.clip(big, -65280, 65280), w)) < 1e-5
+    assert "fp8_dots 'f8'" in supports(x, w, tuning=GemmTuning(fp8_dots="f8"))
+
+
 @pytest.mark.parametrize("live", [1, 40, 64, 96])
 def test_live_rows_compute_the_prefix(live):
     """With live_rows (traced) the M tiles starting before it equal the full product's bit for bit, fp8 weight or

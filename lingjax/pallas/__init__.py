@@ -104,6 +104,25 @@ def weight_layout(w) -> tuple[int, int, int, tuple[int, int] | None]:
     return n, k, jnp.dtype(w.dtype).itemsize, None
 
 
+# How a kernel's dots take an fp8 weight (lingjax.ops.fp8) beside bf16 activations (the kernels' tuning field
+# fp8_dots): "x", each weight tile converted to x's dtype in registers; "f16", the activations passed in f16
+# (f16_operand) and each weight tile converted to f16, for which Hopper has one instruction a pair of values
+# where bf16 takes several. Both are exact: e4m3 values are exact in either, products and sums in f32.
+FP8_DOTS = ("x", "f16")
+_BF16_IN_F16 = 65280.0  # the largest bf16 value that f16 holds
+
+
+def f16_operand(x):
+    """bf16 activations as an f16 dot operand: exact for |x| in [2^-14, 65280], held at ±65280 above (never an
+    inf), f16's subnormals below (absolute precision 2^-24, the smallest terms of an f32 sum)."""
+    return jnp.clip(x, -_BF16_IN_F16, _BF16_IN_F16).astype(jnp.float16)
+
+
+def fp8_dots_reason(fp8_dots: str) -> str | None:
+    """Why a tuning's fp8_dots is refused (None: one of FP8_DOTS)."""
+    return None if fp8_dots in FP8_DOTS else f"fp8_dots {fp8_dots!r}, not one of {FP8_DOTS}"
+
+
 def dot_nt(a, b):
     """a [M, K] · b [N, K]ᵀ -> [M, N] f32 inside a kernel: f32 operands at IEEE precision (no TF32),
     narrower ones on the tensor cores with f32 accumulation."""

@@ -32,6 +32,8 @@ from jax.experimental.pallas import triton as pltriton
 from lingjax.pallas import (
     MIN_DOT_K,
     dot_nt,
+    f16_operand,
+    fp8_dots_reason,
     is_pow2,
     pallas_call,
     pow2_tile,
@@ -61,7 +63,8 @@ class GemmTuning:
     bf16 weights; 4 warps, 4 stages, bm 64 or bk 64 at fp8 were no faster or slower (bench/gemm_bench.py).
     swap: compute the tile transposed, W·xᵀ, so the weight tile is the dot's first operand, which Hopper's wgmma
     reads from registers (an fp8 tile is converted there) while x's tile stays in shared memory; None: for fp8
-    weights only (8-10% faster there, about 5% slower on bf16 weights)."""
+    weights only (8-10% faster there, about 5% slower on bf16 weights). fp8_dots: how an fp8 weight meets bf16
+    rows (lingjax.pallas.FP8_DOTS; "f16": x passed in f16, converted once before the launch)."""
 
     bm: int = 128
     bn: int = 256
@@ -69,6 +72,7 @@ class GemmTuning:
     warps: int = 8
     stages: int = 3
     swap: bool | None = None
+    fp8_dots: str = "x"
 
 
 def _row_tile(m: int, want: int) -> int:
@@ -122,6 +126,8 @@ def supports(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpr
     and of at least MIN_DOT_K along K on 16-bit operands (N and K tiles divide N and K; an fp8 weight's scale
     blocks bound them)."""
     del out_dtype, interpret
+    if reason := fp8_dots_reason(tuning.fp8_dots):
+        return reason
     if len(w.shape) != 2:
         return f"a weight of {len(w.shape)} dimensions, not a matrix"
     if not is_pow2(tuning.bm) or tuning.bm < MIN_TILE:
@@ -198,6 +204,8 @@ def gemm(x, w, out_dtype=None, *, live_rows=None, tuning: GemmTuning = GemmTunin
     if padded != m:
         flat = jnp.pad(flat, ((0, padded - m), (0, 0)))
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if block is not None and tuning.fp8_dots == "f16" and flat.dtype == jnp.bfloat16:
+        flat = f16_operand(flat)  # the kernel converts each weight tile to x's dtype: here f16
     operands = (flat, w.q, w.scale) if block is not None else (flat, w)
     if live_rows is not None:
         assert x.ndim == 2, "live_rows counts the rows of a 2-D x"

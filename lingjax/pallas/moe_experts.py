@@ -35,6 +35,8 @@ from lingjax.pallas import (
     ROW_PER_SUM,
     X_ROW_MIN_BYTES,
     dot_nt,
+    f16_operand,
+    fp8_dots_reason,
     is_pow2,
     moe_router,
     pallas_call,
@@ -85,6 +87,9 @@ class ExpertTuning:
     # T = 1 with fp8 weights, whose partial sums are a scale block wide: the row read once per K step and split in
     # registers into the step's blocks (True), or read per block (False)
     x_row_split: bool = False
+    # how fp8 weights meet bf16 rows (lingjax.pallas.FP8_DOTS; "f16": x passed in f16, h rounded to x's dtype
+    # then stored in f16)
+    fp8_dots: str = "x"
 
 
 def one_token_tiles(i_dim: int, fp8: bool = False) -> ExpertTuning:
@@ -127,6 +132,8 @@ def _experts_supports(x, w_gate, w_down, shared, tuning: ExpertTuning, routing: 
                 "(fused only at the same width)")
     if not is_pow2(tuning.block_m):
         return f"expert blocks of {tuning.block_m} rows, not a power of 2"
+    if reason := fp8_dots_reason(tuning.fp8_dots):
+        return reason
     fp8 = isinstance(w_gate, Fp8Array)
     if any(isinstance(w, Fp8Array) != fp8 for w in (w_down, *(shared or ()))):
         return "expert weights partly in fp8 (the kernels take all routed and shared ones in fp8 or none)"
@@ -185,12 +192,12 @@ def _swiglu(g, u, limit):
 
 
 def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
-               shared_limit, routing, x_row_modes, shared_split, prefetch_lines, has_shared, blocks):
+               shared_limit, routing, x_row_modes, shared_split, prefetch_lines, has_shared, blocks, h_round):
     # plan_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
     # x_ref [R ≥ T, D] (rows past T unread); wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
     # with fp8 weights (blocks = ((gn, gk) of the experts, of the shared expert)) their scales after them, the
     # experts' [E, I/gn, D/gk] and the shared expert's [I/gn, D/gk];
-    # h_ref [S (+ shared blocks · BM), I] in x's dtype.
+    # h_ref [S (+ shared blocks · BM), I] in x's dtype, each value rounded to h_round (bf16 in f16: fp8_dots).
     # With `routing` (T = 1): plan_ref holds the router's partial logits [KS, 1, E] and blk_ref its bias [E];
     # block b's program selects the token's b-th expert itself, and one program publishes the routing, w_ref
     # [1, k] f32 and e_ref [1, k] int32, for the down kernel.
@@ -225,7 +232,8 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
         zero = jnp.zeros((block_m, rows.size), F32)
         g, u = scaled_k_loop(x_ref.shape[1] // bk, bk, min(bk, block_k), (zero, zero), terms, scale, block_k,
                              row_reader(x_ref, x_row))
-        h_ref[slots, rows] = _swiglu(g, u, lim).astype(h_ref.dtype)  # the one rounding
+        h = _swiglu(g, u, lim).astype(h_round)  # the one rounding
+        h_ref[slots, rows] = h if h_ref.dtype == h_round else f16_operand(h)
 
     def expert_scale(e):
         if not blocks:
@@ -442,6 +450,9 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
     scales_up = () if not up_blocks else (w_gate.scale, w_up.scale) + (() if shared is None else
                                                                      (shared[0].scale, shared[1].scale))
     scales_down = () if not down_blocks else (w_down.scale,) + (() if shared is None else (shared[2].scale,))
+    h_round = x.dtype
+    if up_blocks and tuning.fp8_dots == "f16" and x.dtype == jnp.bfloat16:
+        x = f16_operand(x)  # the kernels convert each weight tile to their rows' dtype: here f16
     w_gate, w_up, w_down = (streamed(w) for w in (w_gate, w_up, w_down))
     shared = None if shared is None else tuple(streamed(w) for w in shared)
     slots = nb * block_m if routing else plan[0].shape[0]
@@ -472,7 +483,7 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
                           limit=float(limit), shared_limit=float(shared_limit), routing=routing,
                           x_row_modes=x_row_modes, shared_split=split,
-                          prefetch_lines=prefetch_lines, has_shared=ns > 0, blocks=up_blocks),
+                          prefetch_lines=prefetch_lines, has_shared=ns > 0, blocks=up_blocks, h_round=h_round),
         out_shape=out_shape,
         grid=(nb + ns * split, i_dim // bn_up),
         compiler_params=params(tuning.warps_up, tuning.stages_up, up_stage),
