@@ -62,6 +62,7 @@ EXACT_TOL = 1e-4  # a kernel against x · (q·s)ᵀ in f32: reassociation only
 # the decode's Pallas linear tunings on fp8 weights; the first is the default
 LINEAR_VARIANTS = [
     ("default", LinearTuning()),
+    ("dots in f16 (x passed in f16)", LinearTuning(fp8_dots="f16")),
     ("previous x read: a row per scale block", LinearTuning(x_row_min_bytes=256)),
     ("x row per K step, split", LinearTuning(x_row_split=True)),
     ("8 warps", LinearTuning(warps=8)),

@@ -36,6 +36,8 @@ from lingjax.pallas import (
     ROW_PER_SUM,
     X_ROW_MIN_BYTES,
     dot_nt,
+    f16_operand,
+    fp8_dots_reason,
     is_pow2,
     pallas_call,
     pow2_tile,
@@ -62,7 +64,8 @@ class LinearTuning:
     are fewer than TARGET_PROGRAMS, each split whole K units (scale blocks, or K steps of a plain weight) of at least
     min_split columns). x_row_min_bytes, x_row_split: how a decode (T = 1) reads x's one row
     (lingjax.pallas.x_row_mode: from a load of this many bytes per 4 warps; once per K step, split in registers,
-    with x_row_split)."""
+    with x_row_split). fp8_dots: how an fp8 weight meets bf16 rows (lingjax.pallas.FP8_DOTS; "f16": x passed in
+    f16)."""
 
     bn: int = 64
     bk: int = 0
@@ -72,6 +75,7 @@ class LinearTuning:
     stages: int = 4
     x_row_min_bytes: int = X_ROW_MIN_BYTES
     x_row_split: bool = False
+    fp8_dots: str = "x"
 
 
 def _tiles(n: int, k: int, itemsize: int, block: tuple[int, int] | None,
@@ -106,6 +110,8 @@ def supports(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = Linear
     the GPU, else why not: at most ROWS rows; a 2-D weight; K split evenly (an fp8 weight: into whole scale blocks);
     power-of-2 tiles of at least MIN_DOT_K along K and 16 along N (an fp8 weight's scale blocks bound them)."""
     del out_dtype, tokens, interpret
+    if reason := fp8_dots_reason(tuning.fp8_dots):
+        return reason
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
@@ -191,6 +197,8 @@ def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTu
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     partial = splits > 1
     out_shape = (splits, ROWS, n) if partial else (ROWS, n)
+    if block is not None and tuning.fp8_dots == "f16" and flat.dtype == jnp.bfloat16:
+        flat = f16_operand(flat)  # the kernel converts each weight tile to x's dtype: here f16
     operands = (flat, w.q, w.scale) if block is not None else (flat, w)
     params = None if interpret else pltriton.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages)
     y = pallas_call(
