@@ -273,11 +273,16 @@ def launch_summary(compiled_text: str) -> str:
 def default_tuning(op: str, cfg: LingConfig | None = None, tp: int = 1):
     """The tuning dataclass op's Pallas kernel runs with when given none: its `tuning` keyword's default, or, for
     the decode's routed experts, which choose their tiles by expert width, that choice at cfg's width on one of
-    tp devices."""
+    tp devices; for the experts after routing, which choose theirs by T, a verify's (a tuning given to them
+    replaces a prefill chunk's larger blocks too)."""
     from lingjax import kernels
 
     kernels.check_op_names("a kernel option", [op])
     default = inspect.signature(kernels.OPS[op].kernel()).parameters["tuning"].default
+    if default is None and op == "moe_experts":
+        from lingjax.pallas.moe_experts import ExpertTuning
+
+        return ExpertTuning()
     if default is None and op == "moe_routed_experts":
         from lingjax.pallas.moe_experts import one_token_tiles
 
