@@ -237,7 +237,11 @@ def bench_moe(say, cfg, tp, bw, n_layers, reps, smoke, interpret):
                                    f32(p0["fp8"]["wu"]), f32(p0["fp8"]["wd"]), limit, **routing,
                                    shared=tuple(map(f32, p0["fp8"]["shared"])), shared_limit=shared_limit)
     decode = jax.jit(call, static_argnames=("tuning", "tokens"))
-    verify_row = {kind: decode(x6, p0[kind], None, tokens=6)[:1] for kind in ("bf16", "fp8")}
+
+    def verify_row(kind, dots):  # the verify's default tiles at the variant's fp8_dots: a row of the same rounding
+        tuning = dataclasses.replace(moe_experts.many_token_tiles(6, k, e), fp8_dots=dots)
+        return decode(x6, p0[kind], tuning, tokens=6)[:1]
+
     fp8_err = rel(decode(x0, p0["fp8"], None), decode(x0, p0["bf16"], None))
     n_iter = 1 if smoke else 10
     say(f"\n## (1) MoE layer at T = 1, TP{tp} (routed_experts: router + top {k} + shared, fused; I = {i}), {n_layers} "
@@ -245,8 +249,8 @@ def bench_moe(say, cfg, tp, bw, n_layers, reps, smoke, interpret):
     say(f"fp8 error vs bf16 weights (the layer's output, max |Δ| / max |y|): {fp8_err:.2e}")
     say("vs exact: the fp8 layer against the reference on the fp8 weights dequantized to f32 (FAIL above 1e-2: h is "
         "rounded to bf16 between the GEMMs); bits: the decode's row against the same token's row in a verify (T = 6, "
-        "default tiles); kernels: the router GEMV, up and down launches, profiled in one call of a layer alone on cold "
-        "weights; floor: the top-k and shared experts' and the router's bytes")
+        "default tiles at the variant's fp8_dots); kernels: the router GEMV, up and down launches, profiled in one "
+        "call of a layer alone on cold weights; floor: the top-k and shared experts' and the router's bytes")
     say.table("variant", "tuning (changed from the decode's tiles)", "vs exact", "bits", "µs per layer", "floor µs",
               "x floor", "gemv / up / down µs")
     options = compile_options()
@@ -257,7 +261,8 @@ def bench_moe(say, cfg, tp, bw, n_layers, reps, smoke, interpret):
         try:
             row = decode(x0, p0[kind], tuning)
             check = "-" if kind == "bf16" else (f"{(err := rel(row, exact)):.1e}" + ("" if err < 1e-2 else " FAIL"))
-            bits = "equal" if bits_equal(row, verify_row[kind]) else "DIFFER"
+            dots = (tuning or moe_experts.ExpertTuning()).fp8_dots
+            bits = "equal" if bits_equal(row, verify_row(kind, dots)) else "DIFFER"
             fn = lambda x, p, tuning=tuning: call(x, p, tuning).astype(x.dtype)
             loop, args = loop_over_layers(fn, n_iter, options), ([p for p, _ in weights], [x for _, x in weights])
             t = median_seconds(loop, *args, reps=reps) / (n_iter * n_layers)

@@ -159,7 +159,7 @@ def main(argv=None):
             if r is not None:
                 if first is not None and tuning.fp8_dots != DEFAULT.fp8_dots:
                     same = np.array_equal(np.asarray(r[0], np.float32), np.asarray(first, np.float32))
-                    name += " (same bits as the default's)" if same else " (DIFFER from the default's bits)"
+                    name += " (same bits as the default's)" if same else " (other bits: its declared rounding)"
                 report(name, plan_label(x, w, tuning), *r)
                 first = r[0] if tuning == DEFAULT else first
         if fp8 and first is not None:  # the fp8 values in bf16 first (exact), then the same launch: the same bits
