@@ -62,7 +62,7 @@ EXACT_TOL = 1e-4  # a kernel against x · (q·s)ᵀ in f32: reassociation only
 # the decode's Pallas linear tunings on fp8 weights; the first is the default
 LINEAR_VARIANTS = [
     ("default", LinearTuning()),
-    ("dots in f16 (x passed in f16)", LinearTuning(fp8_dots="f16")),
+    ("dots in bf16 (weight tiles to x's dtype)", LinearTuning(fp8_dots="x")),
     ("previous x read: a row per scale block", LinearTuning(x_row_min_bytes=256)),
     ("x row per K step, split", LinearTuning(x_row_split=True)),
     ("8 warps", LinearTuning(warps=8)),
@@ -74,7 +74,7 @@ BITS_CHECKED = ("default", "x row per K step, split")  # their decode rows again
 # the decode's MoE layer: (label, weights, changes to the decode's tiles (one_token_tiles) or None for them)
 MOE_VARIANTS = [
     ("fp8, decode tiles (default)", "fp8", None),
-    ("fp8, dots in f16 (x passed in f16)", "fp8", dict(fp8_dots="f16")),
+    ("fp8, dots in bf16 (weight tiles to x's dtype)", "fp8", dict(fp8_dots="x")),
     ("fp8, previous x read: a row per scale block, 4 warps", "fp8", dict(x_row_min_bytes=256, warps_up=4)),
     ("bf16, decode tiles", "bf16", None),
     ("fp8, 4 warps up", "fp8", dict(warps_up=4)),

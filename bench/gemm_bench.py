@@ -56,8 +56,8 @@ TUNINGS = [
     GemmTuning(swap=True, warps=4, stages=4),
     GemmTuning(swap=True, bm=256, stages=3),
     GemmTuning(bk=256),
-    GemmTuning(fp8_dots="f16"),  # fp8 weights alone: x in f16, each weight tile converted to f16
-    GemmTuning(swap=False, fp8_dots="f16"),
+    GemmTuning(fp8_dots="x"),  # fp8 weights alone: each weight tile converted to x's dtype (bf16)
+    GemmTuning(swap=False, fp8_dots="x"),
 ]
 DEFAULT = GemmTuning()
 # the kernel on the fp8 values converted to bf16 in HBM first (one XLA convert, exact: e4m3 fits bf16), with the same

@@ -40,8 +40,8 @@ LINEAR_CASES = [  # (rows, N, K, block, tuning)
     (1, 96, 320, (32, 64), LinearTuning(bk=128)),  # a K step over two scale blocks; one row (the drafter's)
     (5, 128, 1024, (64, 128), LinearTuning(k_splits=2)),  # K splits added after the launch
     (16, 64, 256, (16, 16), LinearTuning(bn=16, bk=64)),  # the finest blocks the GPU takes
-    (16, 256, 512, (128, 128), LinearTuning(fp8_dots="f16")),  # bf16 rows passed in f16, weight tiles to f16
-    (1, 96, 320, (32, 64), LinearTuning(bk=128, fp8_dots="f16", x_row_split=True)),  # one row, split per K step
+    (16, 256, 512, (128, 128), LinearTuning(fp8_dots="x")),  # weight tiles to bf16 rows' dtype (the others: f16)
+    (1, 96, 320, (32, 64), LinearTuning(bk=128, fp8_dots="x", x_row_split=True)),  # one row, split per K step
 ]
 
 

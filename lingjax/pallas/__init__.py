@@ -105,9 +105,10 @@ def weight_layout(w) -> tuple[int, int, int, tuple[int, int] | None]:
 
 
 # How a kernel's dots take an fp8 weight (lingjax.ops.fp8) beside bf16 activations (the kernels' tuning field
-# fp8_dots): "x", each weight tile converted to x's dtype in registers; "f16", the activations passed in f16
-# (f16_operand) and each weight tile converted to f16, for which Hopper has one instruction a pair of values
-# where bf16 takes several. Both are exact: e4m3 values are exact in either, products and sums in f32.
+# fp8_dots): "x", each weight tile converted to x's dtype in registers; "f16" (the default), the activations
+# passed in f16 (f16_operand) and each weight tile converted to f16, for which Hopper has one instruction a pair of
+# values where bf16 takes several. Both are exact: e4m3 values are exact in either, products and sums in f32
+# (docs/fp8.md: what f16 rounds otherwise, and what it saves).
 FP8_DOTS = ("x", "f16")
 _BF16_IN_F16 = 65280.0  # the largest bf16 value that f16 holds
 

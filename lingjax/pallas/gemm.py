@@ -9,9 +9,10 @@ A classic tiled GEMM, one launch, grid (M / bm, N / bn), the M tiles fastest (th
 one [bn, K] strip of the weight, so it comes from HBM about once and x's tiles from L2). Each program loops over K
 in steps of bk (lax.fori_loop, software-pipelined over `stages` buffers by Triton), multiplying x's [bm, bk] tile
 by the weight's [bn, bk] tile on the tensor cores with f32 accumulation, and writes its [bm, bn] tile of the
-output rounded once to the output dtype. An fp8 tile is converted to x's dtype in registers (e4m3 values are exact
-in bf16) and each scale block's partial sum is scaled before it is added (lingjax.pallas.scaled_k_loop), so the
-product is Σ x·q·s with q·s exact in f32: the reference rounds q·s to x's dtype first, the kernel does not.
+output rounded once to the output dtype. An fp8 tile is converted to x's dtype in registers (with fp8_dots "f16", the
+default, bf16 rows are passed in f16 first; e4m3 values are exact in either) and each scale block's partial sum is
+scaled before it is added (lingjax.pallas.scaled_k_loop), so the product is Σ x·q·s with q·s exact in f32: the reference
+rounds q·s to x's dtype first, the kernel does not.
 
 x's rows are padded with zeros to a multiple of bm where bm does not divide them (no copy at the engine's
 power-of-2 chunks), and the padded rows are dropped after the launch. With `live_rows` (a traced row count) the
@@ -72,7 +73,7 @@ class GemmTuning:
     warps: int = 8
     stages: int = 3
     swap: bool | None = None
-    fp8_dots: str = "x"
+    fp8_dots: str = "f16"
 
 
 def _row_tile(m: int, want: int) -> int:

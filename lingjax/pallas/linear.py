@@ -7,14 +7,14 @@ autotuning off, by a default that is far slower at these shapes. Here the launch
 (`plan`): every program, process and machine runs the same tiles, so a decode's row rounds as a verify's does, and
 the speed does not depend on what a cache holds (docs/engine.md).
 
-One launch, grid (N / bn, K splits): each program streams its [bn, K / splits] strip of the weight once, multiplies
-it with x's [ROWS, bk] rows on the tensor cores with f32 accumulation (an fp8 tile is converted to x's dtype in
-registers, e4m3 values being exact in bf16, and each scale block's partial sum is scaled before it is added, so the
-product is Σ x·q·s with q·s exact in f32: the reference rounds q·s to x's dtype first, the kernel does not). Rows
-past `tokens` are written as zeros. With one split the kernel writes the output in its dtype; with K splits it
-writes f32 partial sums [splits, ROWS, N], added in split order after the launch. Every row is computed by the same
-programs whatever the number of real rows, so a decode's row and a verify's round alike (row invariance,
-lingjax.model).
+One launch, grid (N / bn, K splits): each program streams its [bn, K / splits] strip of the weight once, multiplies it
+with x's [ROWS, bk] rows on the tensor cores with f32 accumulation (an fp8 tile is converted to x's dtype in registers,
+bf16 rows being passed in f16 first under fp8_dots "f16", the default, e4m3 values exact in either; each scale block's
+partial sum is scaled before it is added, so the product is Σ x·q·s with q·s exact in f32: the reference rounds q·s to
+x's dtype first, the kernel does not). Rows past `tokens` are written as zeros. With one split the kernel writes the
+output in its dtype; with K splits it writes f32 partial sums [splits, ROWS, N], added in split order after the launch.
+Every row is computed by the same programs whatever the number of real rows, so a decode's row and a verify's round
+alike (row invariance, lingjax.model).
 
 At T = 1 (tokens=1) every row the dot takes is x's row 0, read as lingjax.pallas.x_row_mode says: once per K step
 and split in registers into the step's scale blocks, once per partial sum, or as 16 gathered copies where a row load
@@ -75,7 +75,7 @@ class LinearTuning:
     stages: int = 4
     x_row_min_bytes: int = X_ROW_MIN_BYTES
     x_row_split: bool = False
-    fp8_dots: str = "x"
+    fp8_dots: str = "f16"
 
 
 def _tiles(n: int, k: int, itemsize: int, block: tuple[int, int] | None,

@@ -89,15 +89,15 @@ class ExpertTuning:
     x_row_split: bool = False
     # how fp8 weights meet bf16 rows (lingjax.pallas.FP8_DOTS; "f16": x passed in f16, h rounded to x's dtype
     # then stored in f16)
-    fp8_dots: str = "x"
+    fp8_dots: str = "f16"
 
 
 def one_token_tiles(i_dim: int, fp8: bool = False) -> ExpertTuning:
     """The decode's tiles (routed_experts at T = 1) at expert width i_dim: the up kernel steps K by 256 at 3
     stages, where it reads x's one row, in I tiles of i_dim / ONE_TOKEN_I_TILES (at most 64 wide), so that
     Flash's top 8 and shared expert fill the H200's SMs in one wave at TP 1 and 2. With fp8 weights the up kernel
-    runs 8 warps: its programs convert every weight element to bf16 before the dot, which 4 warps a program do
-    not keep up with at one program an SM (docs/kernels/moe.md)."""
+    runs 8 warps: its programs convert every weight element (to f16: fp8_dots) before the dot, which 4 warps a
+    program do not keep up with at one program an SM (docs/kernels/moe.md)."""
     return dataclasses.replace(ExpertTuning(), bk_up=256, stages_up=3, warps_up=8 if fp8 else 4,
                                bn_up=pow2_tile(i_dim, max(16, i_dim // ONE_TOKEN_I_TILES)))
 
