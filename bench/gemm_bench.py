@@ -14,8 +14,8 @@ For each shape of SHAPES ([N, K], an fp8 weight in 128 x 128 scale blocks or a b
 program per variant is compiled and timed as the median of batches of calls dispatched back to back. Variants: XLA's
 GEMM (lingjax.ops.linear.linear) with the step programs' options (autotuning off), the same with XLA's autotuning on
 (xla_gpu_autotune_level=4), and the Pallas kernel at each tuning of TUNINGS (compiled with the step programs' options),
-a tuning it does not lower for reported as unsupported, and for an fp8 weight the kernel on its fp8 values converted to
-bf16 first (CONVERT_FIRST; a row says where its bits differ from the default's). Each row gives the kernel's launch
+a tuning it does not lower for reported as unsupported; a tuning of other fp8_dots or convert_rows runs on fp8 weights
+alone, and its row says whether its bits are the default's. Each row gives the kernel's launch
 (plan: tiles, padded rows, grid, swap), `vs exact`: the max error against x · Wᵀ in f32 (the dequantized weight)
 relative to its largest value, `vs linear`: the same against lingjax.ops.linear.linear (XLA, autotuning off; it rounds
 an fp8 weight to bf16 first, the kernel does not), ms, TFLOP/s (2·M·N·K per call) and `x best XLA`: the time over the
@@ -35,7 +35,7 @@ import numpy as np
 from common import BF16, F32, Report, add_options, heading, parser, pipelined_seconds, progress, rel
 from lingjax import target
 from lingjax.execution import step_compiler_options
-from lingjax.ops.fp8 import Fp8Array, quantize_on_device
+from lingjax.ops.fp8 import quantize_on_device
 from lingjax.ops.linear import linear
 from lingjax.pallas.gemm import GemmTuning, gemm, plan, supports
 
@@ -56,14 +56,15 @@ TUNINGS = [
     GemmTuning(swap=True, warps=4, stages=4),
     GemmTuning(swap=True, bm=256, stages=3),
     GemmTuning(bk=256),
-    GemmTuning(fp8_dots="x"),  # fp8 weights alone: each weight tile converted to x's dtype (bf16)
-    GemmTuning(swap=False, fp8_dots="x"),
+    # fp8 weights alone (FP8_ONLY): each weight tile converted in registers once per M tile rather than the values
+    # once before the launch (the default at 2048 rows), in f16 or in x's dtype (bf16); the same sums
+    GemmTuning(convert_rows=0),
+    GemmTuning(convert_rows=0, fp8_dots="x"),
+    GemmTuning(fp8_dots="x"),
+    GemmTuning(stages=2),
 ]
 DEFAULT = GemmTuning()
-# the kernel on the fp8 values converted to bf16 in HBM first (one XLA convert, exact: e4m3 fits bf16), with the same
-# scales and K steps, so the same sums: the default's fp8 tile converted once per M tile (16 times at 2048 rows)
-# against once per chunk; a bf16 [256, 128] tile at 3 stages overflows shared memory, hence N tile 128 or 2 stages
-CONVERT_FIRST = [GemmTuning(bn=128), GemmTuning(stages=2)]
+FP8_ONLY = ("fp8_dots", "convert_rows")  # fields that change nothing on a plain weight
 ERR_LIMIT = 1e-2  # vs exact at or above it: FAIL (a bf16 output rounds by up to 2^-8 of its magnitude)
 
 
@@ -77,7 +78,7 @@ def tuning_name(t: GemmTuning) -> str:
 def plan_label(x, w, t: GemmTuning) -> str:
     p = plan(x, w, t)
     return (f"{p['bm']}x{p['bn']}x{p['bk']} sub {p['sub']}, rows {p['rows']}, grid {p['grid'][0]}x{p['grid'][1]}"
-            + (", swap" if p["swap"] else ""))
+            + (", swap" if p["swap"] else "") + (", converted first" if p["convert"] else ""))
 
 
 def compiled(f, args, options):
@@ -150,26 +151,19 @@ def main(argv=None):
         first = None
         for tuning in TUNINGS:
             name = tuning_name(tuning)
-            if tuning.fp8_dots != DEFAULT.fp8_dots and not fp8:
+            fp8_only = any(getattr(tuning, f) != getattr(DEFAULT, f) for f in FP8_ONLY)
+            if fp8_only and not fp8:
                 continue  # the same launch as another row's on a plain weight
             if reason := supports(x, w, tuning=tuning):
                 row(name, "", f"unsupported: {reason}", "", "", "", "")
                 continue
             r = timed(name, lambda tuning=tuning: compiled(lambda x, w: gemm(x, w, tuning=tuning), (x, w), off))
             if r is not None:
-                if first is not None and tuning.fp8_dots != DEFAULT.fp8_dots:
+                if first is not None and fp8_only:
                     same = np.array_equal(np.asarray(r[0], np.float32), np.asarray(first, np.float32))
                     name += " (same bits as the default's)" if same else " (other bits: its declared rounding)"
                 report(name, plan_label(x, w, tuning), *r)
                 first = r[0] if tuning == DEFAULT else first
-        if fp8 and first is not None:  # the fp8 values in bf16 first (exact), then the same launch: the same bits
-            for tuning in CONVERT_FIRST:
-                name = tuning_name(tuning) + ", fp8 values to bf16 first"
-                r = timed(name, lambda tuning=tuning: compiled(
-                    lambda x, w: gemm(x, Fp8Array(w.q.astype(x.dtype), w.scale), tuning=tuning), (x, w), off))
-                if r is not None:
-                    same = np.array_equal(np.asarray(r[0], np.float32), np.asarray(first, np.float32))
-                    report(name + ("" if same else " (DIFFER from the default's bits)"), plan_label(x, w, tuning), *r)
 
 if __name__ == "__main__":
     main()

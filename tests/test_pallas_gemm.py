@@ -12,6 +12,7 @@ from lingjax.ops import fp8
 from lingjax.ops.linear import linear
 from lingjax.pallas.gemm import GemmTuning, gemm, plan, supports
 from lingjax.pallas.grid_dependency import WAIT_ASM
+from lingjax.stacked import layer_of
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 S = jax.ShapeDtypeStruct
@@ -104,6 +105,27 @@ def test_gemm_fp8_f16_dots_are_exact(swap):
     assert "fp8_dots 'f8'" in supports(x, w, tuning=GemmTuning(fp8_dots="f8"))
 
 
+@pytest.mark.parametrize("dots", ["x", "f16"])
+def test_gemm_fp8_converted_first_gives_the_same_sums(dots):
+    """At GemmTuning.convert_rows rows and more the fp8 values are converted to the dots' dtype before the launch:
+    the same tiles and scales, so the same bits as the tiles converted in registers; a layer of a stack (traced
+    layer, as a scan reads it) is sliced into the conversion and gives its own layer's result."""
+    kx, kw = jax.random.split(key_for("pallas_gemm_convert_first", dots))
+    x = jax.random.normal(kx, (64, 256), F32).astype(BF16)
+    stack = [_fp8_weight(k, (128, 256), (64, 128)) for k in jax.random.split(kw, 3)]
+    stacked = fp8.Fp8Array(jnp.stack([w.q for w in stack]), jnp.stack([w.scale for w in stack]))
+    in_registers, first = (GemmTuning(bm=32, bn=64, fp8_dots=dots, convert_rows=r) for r in (0, 64))
+    assert plan(x, stack[1], first)["convert"] and not plan(x, stack[1], in_registers)["convert"]
+    assert not plan(x[:32], stack[1], first)["convert"]  # fewer rows than convert_rows
+    want = np.asarray(gemm(x, stack[1], tuning=in_registers, interpret=True), np.float32)
+    _check(gemm(x, stack[1], tuning=first, interpret=True), x, stack[1], None)
+    got = np.asarray(gemm(x, stack[1], tuning=first, interpret=True), np.float32)
+    assert np.array_equal(got, want)
+    of_stack = jax.jit(lambda x, s, i: gemm(x, layer_of(s, i), tuning=first, interpret=True))(x, stacked,
+                                                                                             jnp.int32(1))
+    assert np.array_equal(np.asarray(of_stack, np.float32), want)
+
+
 @pytest.mark.parametrize("live", [1, 40, 64, 96])
 def test_live_rows_compute_the_prefix(live):
     """With live_rows (traced) the M tiles starting before it equal the full product's bit for bit, fp8 weight or
@@ -129,10 +151,11 @@ def test_gemm_leading_dims_and_tiles_from_the_shape():
     _check(gemm(x, w, interpret=True), x, w, None)
     x = S((2048, 2560), BF16)
     assert plan(x, S((157184, 2560), BF16)) == dict(bm=128, bn=256, bk=64, sub=64, rows=2048, grid=(16, 614),
-                                                          swap=False)
+                                                          swap=False, convert=False)
     in_proj = fp8.Fp8Array(S((20480, 2560), fp8.FP8), S((160, 20), F32))
     assert plan(x, in_proj) == dict(bm=128, bn=128, bk=128, sub=128, rows=2048, grid=(16, 160),
-                                   swap=True)
+                                   swap=True, convert=True)  # a whole chunk: its values converted first
+    assert not plan(S((1024, 2560), BF16), in_proj)["convert"]
 
 
 def test_refusals_name_the_dimension():

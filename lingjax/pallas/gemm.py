@@ -42,10 +42,12 @@ from lingjax.pallas import (
     scaled_k_loop,
     weight_layout,
 )
+from lingjax.stacked import materialize
 
 F32 = jnp.float32
 MIN_TILE = 16  # a Triton dot's smallest M and N
 SHARED_BYTES = 232448  # shared memory one Hopper program may take (227 KiB); Triton refuses a launch past it
+CONVERT_ROWS = 2048  # GemmTuning.convert_rows: a prefill chunk's rows, where the conversion first was measured faster
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +67,11 @@ class GemmTuning:
     swap: compute the tile transposed, W·xᵀ, so the weight tile is the dot's first operand, which Hopper's wgmma
     reads from registers (an fp8 tile is converted there) while x's tile stays in shared memory; None: for fp8
     weights only (8-10% faster there, about 5% slower on bf16 weights). fp8_dots: how an fp8 weight meets bf16
-    rows (lingjax.pallas.FP8_DOTS; "f16": x passed in f16, converted once before the launch)."""
+    rows (lingjax.pallas.FP8_DOTS; "f16": x passed in f16, converted once before the launch). convert_rows: at
+    this many rows of x and more (0: never) an fp8 weight's values are converted to the dots' dtype by one XLA
+    pass before the launch, with the same scales and tiles (the same sums), so the kernel converts nothing: in
+    registers each weight tile is converted once per M tile, 16 times at 2048 rows, which on an H100 cost more
+    than the pass (docs/kernels/gemm.md)."""
 
     bm: int = 128
     bn: int = 256
@@ -74,6 +80,7 @@ class GemmTuning:
     stages: int = 3
     swap: bool | None = None
     fp8_dots: str = "f16"
+    convert_rows: int = CONVERT_ROWS
 
 
 def _row_tile(m: int, want: int) -> int:
@@ -108,17 +115,28 @@ def _rows(x) -> int:
 
 def plan(x, w, tuning: GemmTuning = GemmTuning()) -> dict:
     """The launch `gemm` makes for x and the weight w (arrays, Fp8Array or their ShapeDtypeStructs): its tiles,
-    partial-sum width, padded rows, grid and whether the tile is computed transposed (GemmTuning.swap)."""
+    partial-sum width, padded rows, grid, whether the tile is computed transposed (GemmTuning.swap) and whether an
+    fp8 weight is converted before the launch (GemmTuning.convert_rows)."""
     m = _rows(x)
     n, k, itemsize, block = weight_layout(w)
     bm, bn, bk, sub = _tiles(m, n, k, itemsize, block, tuning)
     padded = -(-m // bm) * bm
     return dict(bm=bm, bn=bn, bk=bk, sub=sub, rows=padded, grid=(padded // bm, n // bn),
-                swap=_swap(block, tuning))
+                swap=_swap(block, tuning), convert=_converts(m, block, tuning))
 
 
 def _swap(block, tuning: GemmTuning) -> bool:
     return block is not None if tuning.swap is None else tuning.swap
+
+
+def _converts(m: int, block, tuning: GemmTuning) -> bool:
+    """Whether an fp8 weight's values are converted before the launch (GemmTuning.convert_rows)."""
+    return block is not None and tuning.convert_rows > 0 and m >= tuning.convert_rows
+
+
+def _dots_dtype(x_dtype, tuning: GemmTuning):
+    """The dtype an fp8 weight's values meet x's rows in: f16 for bf16 rows under fp8_dots "f16", else x's."""
+    return jnp.dtype(jnp.float16 if tuning.fp8_dots == "f16" and x_dtype == jnp.bfloat16 else x_dtype)
 
 
 def supports(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpret=None) -> str | None:
@@ -140,12 +158,14 @@ def supports(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpr
         if not is_pow2(gn) or not is_pow2(gk):
             return f"scale blocks of {gn} x {gk}, not powers of 2"
         where = f" (scale blocks of {gn} x {gk})"
-    bm, bn, bk, sub = _tiles(_rows(x), n, k, itemsize, block, tuning)
+    m = _rows(x)
+    bm, bn, bk, sub = _tiles(m, n, k, itemsize, block, tuning)
     if bn < MIN_TILE:
         return f"an N tile of {bn} for N = {n}{where}, under the {MIN_TILE} of a Triton dot"
     if jnp.dtype(x.dtype).itemsize < 4 and sub < MIN_DOT_K:
         return f"a K step of {sub} for K = {k}{where} on {jnp.dtype(x.dtype).name} operands, under {MIN_DOT_K}"
-    shared = tuning.stages * bk * (bm * jnp.dtype(x.dtype).itemsize + bn * itemsize)
+    w_bytes = _dots_dtype(x.dtype, tuning).itemsize if _converts(m, block, tuning) else itemsize
+    shared = tuning.stages * bk * (bm * jnp.dtype(x.dtype).itemsize + bn * w_bytes)
     if shared > SHARED_BYTES:
         return (f"{tuning.stages} stages of {bm} x {bk} and {bn} x {bk} tiles: {shared} bytes of shared memory, "
                 f"over {SHARED_BYTES}")
@@ -189,7 +209,8 @@ def _tile(x_ref, w_ref, s_ref, y_ref, m, n, *, bm, bn, bk, sub, gn, gk, k, scale
 def gemm(x, w, out_dtype=None, *, live_rows=None, tuning: GemmTuning = GemmTuning(), interpret=None):
     """x [..., K], w [N, K] (an array, or an Fp8Array read as fp8) -> [..., N] in out_dtype (default x's dtype),
     from f32 sums rounded once: lingjax.ops.linear.linear (for an fp8 weight without rounding the dequantized
-    weight). w may be one layer of a stack (lingjax.stacked.LayerOf, or an Fp8Array of two), read in place. Under
+    weight). w may be one layer of a stack (lingjax.stacked.LayerOf, or an Fp8Array of two), read in place (the
+    values of an fp8 one converted first at GemmTuning.convert_rows rows are sliced into the conversion). Under
     tensor parallelism it takes the device's shards. live_rows (an int32 scalar, may be traced; x 2-D): only the
     first live_rows rows of the result are computed, the rest hold unspecified values. Shapes it lowers for:
     supports."""
@@ -207,7 +228,10 @@ def gemm(x, w, out_dtype=None, *, live_rows=None, tuning: GemmTuning = GemmTunin
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if block is not None and tuning.fp8_dots == "f16" and flat.dtype == jnp.bfloat16:
         flat = f16_operand(flat)  # the kernel converts each weight tile to x's dtype: here f16
-    operands = (flat, w.q, w.scale) if block is not None else (flat, w)
+    if block is None:
+        operands = (flat, w)
+    else:  # converted first: the kernel's tiles are then already of x's dtype
+        operands = (flat, materialize(w.q).astype(flat.dtype) if _converts(m, block, tuning) else w.q, w.scale)
     if live_rows is not None:
         assert x.ndim == 2, "live_rows counts the rows of a 2-D x"
         operands = (jnp.reshape(live_rows, (1,)).astype(jnp.int32), *operands)
