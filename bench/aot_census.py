@@ -1,6 +1,8 @@
 """The step programs compiled for an H200 on a machine without a GPU (deviceless AOT): launches counted.
 
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python bench/aot_census.py --model flash --tp 2 --rounds-per-call 4 --out aot.md
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python bench/aot_census.py --model flash18 --tp 1 --weights fp8 \
+        --programs prefill                            # a 2048-token prefill chunk: launches, lowering and compile s
     python bench/aot_census.py --from-hlo FILE...     # the census of saved optimised HLO; no plugin needed
 
 Needs jax's CUDA 13 plugin, in an environment of its own (`pip install "jax[cuda13]==0.11.2" flax==0.12.10
@@ -126,13 +128,15 @@ def step_model(args):
     from lingjax import sharding
     from lingjax.config import preset
     from lingjax.execution import CompileOptions
-    from lingjax.model import abstract_model
+    from lingjax.model import abstract_model, fp8_layout
     from lingjax.runtime import Model, RunOptions
 
     cfg = preset(args.model)
     options = RunOptions(kernels=args.kernels, tuning=tuning_for(args.kernel_option, cfg, args.tp),
                          compile=CompileOptions(xla_options=tuple(args.xla_option)))
-    return Model(abstract_model(cfg, jnp.bfloat16), options, mesh=sharding.mesh_for(cfg, args.tp), source=args.model)
+    fp8 = fp8_layout(cfg, args.tp) if args.weights == "fp8" else None
+    return Model(abstract_model(cfg, jnp.bfloat16, fp8=fp8), options, mesh=sharding.mesh_for(cfg, args.tp),
+                 source=args.model)
 
 
 def compile_programs(args, devices, say) -> list[tuple[str, str]]:
@@ -159,21 +163,30 @@ def compile_programs(args, devices, say) -> list[tuple[str, str]]:
     draft = jax.eval_shape(lambda: drafter.init(model.module, args.capacity))
     state = SpecState(cache=cache, draft=typed(draft, jax.tree.map(lambda _: rep, draft)), s=i32, bonus=i32,
                       round=i32, key=key)
-    _, decode = model.step_programs(sampling, args.rounds_per_call)
-    programs = [(f"decode T=1, {args.rounds_per_call} per call", decode, (weights, cache, i32, i32, key)),
-                (f"spec round S={args.steps}, {args.rounds_per_call} per call",
-                 spec_program(model, drafter, sampling, args.rounds_per_call).round, ((weights, ()), state))]
+    prefill, decode = model.step_programs(sampling, args.rounds_per_call)
+    chunk = typed(jax.ShapeDtypeStruct((args.chunk,), jnp.int32), rep)
+    programs = {
+        "decode": (f"decode T=1, {args.rounds_per_call} per call", decode, (weights, cache, i32, i32, key)),
+        "spec": (f"spec round S={args.steps}, {args.rounds_per_call} per call",
+                 spec_program(model, drafter, sampling, args.rounds_per_call).round, ((weights, ()), state)),
+        "prefill": (f"prefill chunk of {args.chunk}", prefill, (weights, cache, chunk, i32, i32, key)),
+    }
+    programs = [programs[name] for name in args.programs]
 
     options = xla_label(model.options.compile.xla_options) + tuning_label(model.options.tuning, model.cfg, model.tp)
-    say(f"# aot_census: {args.model}, tp {args.tp}, kernels {model.kernels}{options}, jax {jax.__version__}, target "
+    say(f"# aot_census: {args.model}, {args.weights} weights, tp {args.tp}, kernels {model.kernels}{options}, jax "
+        f"{jax.__version__}, target "
         f"NVIDIA H200 (deviceless, memory limit as at XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction})")
     texts = []
     for name, fn, fargs in programs:
+        progress(f"{name}: compiling")
         t0 = time.perf_counter()
         with jax.sharding.use_abstract_mesh(abstract_mesh(args.tp, sharding.AXIS)):
             lowered = fn.trace(*fargs).lower(lowering_platforms=("cuda",))
+        t1 = time.perf_counter()
         text = lowered.compile().as_text()
-        progress(f"{name}: compiled in {time.perf_counter() - t0:.0f} s")
+        say(f"{name}: traced and lowered in {t1 - t0:.1f} s, compiled in {time.perf_counter() - t1:.1f} s (this "
+            "host's CPUs)")
         if args.hlo_out:
             Path(args.hlo_out).mkdir(parents=True, exist_ok=True)
             (Path(args.hlo_out) / f"{name.split(',')[0].replace(' ', '_').replace('=', '')}.hlo.txt").write_text(text)
@@ -204,7 +217,10 @@ def census(texts, say) -> None:
 
 def main(argv=None):
     ap = parser(__doc__)
-    add_options(ap, "model", "tp", "xla_option", "kernel_option", "out", model="flash", tp=2)
+    add_options(ap, "model", "tp", "weights", "xla_option", "kernel_option", "out", model="flash", tp=2)
+    ap.add_argument("--programs", nargs="+", default=["decode", "spec"], choices=("decode", "spec", "prefill"),
+                    help="the T=1 decode, the NEXTN round, a prefill chunk of --chunk tokens")
+    ap.add_argument("--chunk", type=int, default=2048, help="the prefill chunk's tokens")
     ap.add_argument("--kernels", default="pallas", choices=("pallas", "xla"))
     ap.add_argument("--steps", type=int, default=3, help="NEXTN drafts per round (verify width S+1)")
     ap.add_argument("--rounds-per-call", type=int, default=4)
