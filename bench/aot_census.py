@@ -3,6 +3,8 @@
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python bench/aot_census.py --model flash --tp 2 --rounds-per-call 4 --out aot.md
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python bench/aot_census.py --model flash18 --tp 1 --weights fp8 \
         --programs prefill                            # a 2048-token prefill chunk: launches, lowering and compile s
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python bench/aot_census.py --model flash --tp 1 --weights fp8 \
+        --programs decode prefill --store /tmp/store    # twice: the second run reads the programs back
     python bench/aot_census.py --from-hlo FILE...     # the census of saved optimised HLO; no plugin needed
 
 Needs jax's CUDA 13 plugin, in an environment of its own (`pip install "jax[cuda13]==0.11.2" flax==0.12.10
@@ -142,7 +144,7 @@ def step_model(args):
 def compile_programs(args, devices, say) -> list[tuple[str, str]]:
     """The step programs compiled for `devices` (lingjax.target set to them): [(name, optimised HLO)]."""
     import lingjax.sharding as sharding
-    from lingjax import engine
+    from lingjax import engine, program_store
     from lingjax.sampling import SamplingParams
     from lingjax.spec.step import SpecState, spec_program
 
@@ -178,10 +180,13 @@ def compile_programs(args, devices, say) -> list[tuple[str, str]]:
         f"{jax.__version__}, target "
         f"NVIDIA H200 (deviceless, memory limit as at XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction})")
     texts = []
+    if args.store:
+        program_store.enable(args.store)
     for name, fn, fargs in programs:
         progress(f"{name}: compiling")
         t0 = time.perf_counter()
         with jax.sharding.use_abstract_mesh(abstract_mesh(args.tp, sharding.AXIS)):
+            fn = fn.prepare(fargs) if args.store else fn  # exported into the store, or read back from it
             lowered = fn.trace(*fargs).lower(lowering_platforms=("cuda",))
         t1 = time.perf_counter()
         text = lowered.compile().as_text()
@@ -221,6 +226,9 @@ def main(argv=None):
     ap.add_argument("--programs", nargs="+", default=["decode", "spec"], choices=("decode", "spec", "prefill"),
                     help="the T=1 decode, the NEXTN round, a prefill chunk of --chunk tokens")
     ap.add_argument("--chunk", type=int, default=2048, help="the prefill chunk's tokens")
+    ap.add_argument("--store", default=None, metavar="DIR",
+                    help="through the program store in DIR (lingjax.program_store): a first run exports the "
+                         "programs into it, a second reads them back instead of tracing and lowering them")
     ap.add_argument("--kernels", default="pallas", choices=("pallas", "xla"))
     ap.add_argument("--steps", type=int, default=3, help="NEXTN drafts per round (verify width S+1)")
     ap.add_argument("--rounds-per-call", type=int, default=4)

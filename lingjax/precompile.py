@@ -5,7 +5,8 @@ chunk, of a shorter last chunk, the decode step or the speculative round): compi
 calls, a first request waits for their sum. Here each is traced and lowered in turn (Python's part), then XLA
 compiles them all at once on a thread pool, so the wait is about the slowest one. jit keeps what was compiled for
 those arguments: the calls that follow compile nothing (tests/test_compile_once.py). bench/compile_bench.py
-measures both ways (docs/engine.md, start-up).
+measures both ways (docs/engine.md, start-up). With the program store on (lingjax.program_store), a step program
+stored by an earlier process is read back rather than traced and lowered.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from lingjax import compile_watch
+from lingjax.program_store import StepProgram
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,12 @@ class Job:
         return (self.program, tree, tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves))
 
 
+def _prepared(job: Job):
+    """What compiles for the job: a step program's stored form where the program store keeps it
+    (lingjax.program_store.StepProgram.prepare), else the program itself."""
+    return job.program.prepare(job.args) if isinstance(job.program, StepProgram) else job.program
+
+
 def compile_together(done: set, jobs: list[Job]) -> None:
     """Compiles the jobs whose key is not in `done` (a model's set of compiled programs: Model.compiled), all at
     once, and adds their keys to it. One compile_watch status line covers them."""
@@ -45,7 +53,7 @@ def compile_together(done: set, jobs: list[Job]) -> None:
     if not todo:
         return
     with compile_watch.together([job.name for job in todo.values()]):
-        lowered = [job.program.trace(*job.args).lower() for job in todo.values()]
+        lowered = [_prepared(job).trace(*job.args).lower() for job in todo.values()]
         if len(lowered) == 1:
             lowered[0].compile()
         else:

@@ -20,11 +20,12 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from lingjax import kernels as kernel_sets
-from lingjax import sharding
+from lingjax import sharding, target
 from lingjax.cache import ModelCache, init_cache
 from lingjax.config import LingConfig
-from lingjax.execution import CompileOptions, Exec, Tuning, step_jit
+from lingjax.execution import CompileOptions, Exec, Tuning, step_compiler_options, step_jit
 from lingjax.model import Fp8Weight, LingModel, param_count
+from lingjax.program_store import StepProgram
 from lingjax.requests import check_prompt_ids
 from lingjax.sampling import SamplingParams, sample
 from lingjax.tokenizer import Tokenizer
@@ -109,6 +110,9 @@ class Model:
         """Adopt `options` and start with no compiled program."""
         self.options = options
         self.ex = options.exec(sharding.AXIS if self.mesh is not None else None)
+        # what shapes every program of this model besides its arguments (lingjax.program_store.key): the config,
+        # dtype, run options, tensor parallelism and the parameters' structure (the programs take them flat)
+        self.identity = repr((self.cfg, str(self.dtype), options, self.tp, str(self._param_treedef)))
         ps, cs, rep, vocab = self.weight_specs, self.cache_specs, P(), P(None, sharding.AXIS)
         self._extend_logits = jax.jit(self.sharded(self._extend_logits_impl, (ps, cs, rep, rep), (vocab, cs)),
                                       donate_argnums=(1,))
@@ -158,8 +162,13 @@ class Model:
         """The parameters as an nnx.State (the same arrays as `weights`): for notebooks and tests."""
         return jax.tree.unflatten(self._param_treedef, self.weights)
 
-    def step_jit(self, fun, **kwargs):
-        return step_jit(fun, self.options.compile, **kwargs)
+    def step_jit(self, fun, name: str, donate_argnums: tuple[int, ...] = ()) -> StepProgram:
+        """fun jitted as a step program (lingjax.execution.step_jit) that the program store can keep
+        (lingjax.program_store): `name` is what sets it apart from this model's other programs (the program and
+        its static arguments), to which the model's own identity is added."""
+        jitted = step_jit(fun, self.options.compile, donate_argnums=donate_argnums)
+        return StepProgram(fun, jitted, f"{self.identity}\n{name}", donate_argnums,
+                           step_compiler_options(self.options.compile) if target.platform() == "gpu" else None)
 
     def sharded(self, fun, in_specs, out_specs):
         """fun itself without TP; under TP, fun running on each device's shards (shard_map)."""
@@ -196,13 +205,14 @@ class Model:
         if sampling not in self._prefill_programs:
             prefill = self.sharded(functools.partial(self._prefill_impl, sampling=sampling),
                                    (ps, cs, rep, rep, rep, rep), (rep, cs))
-            self._prefill_programs[sampling] = self.step_jit(prefill, donate_argnums=(1,))
+            self._prefill_programs[sampling] = self.step_jit(prefill, f"prefill {sampling!r}", donate_argnums=(1,))
         if (sampling, rounds_per_call) not in self._decode_programs:
             decode = self.sharded(functools.partial(self._decode_impl, sampling=sampling, steps=rounds_per_call),
                                   (ps, cs, rep, rep, rep), (rep, rep, rep, cs))
             # pos is donated too, so the next pos lands at the same address every call: a new address
             # would make every CUDA graph that reads it re-record (the token stays: the host reads it)
-            self._decode_programs[sampling, rounds_per_call] = self.step_jit(decode, donate_argnums=(1, 3))
+            self._decode_programs[sampling, rounds_per_call] = self.step_jit(
+                decode, f"decode {sampling!r} {rounds_per_call}", donate_argnums=(1, 3))
         return self._prefill_programs[sampling], self._decode_programs[sampling, rounds_per_call]
 
     # ---- program bodies (each sees this device's shards under TP) ------------------------------

@@ -65,10 +65,13 @@ class SpecProgram:
         chunk_specs = ((weight_specs, model.cache_specs, draft_specs) + (rep,) * 6, (rep, model.cache_specs,
                                                                                   draft_specs))
         # one program for the chunks of a padded size, the last one's too (its flag is an argument)
-        self.prefill_program = model.step_jit(model.sharded(self._prefill_chunk, *chunk_specs), donate_argnums=(1, 2))
+        what = f"{drafter!r} {sampling!r} {rounds_per_call}"
+        self.prefill_program = model.step_jit(model.sharded(self._prefill_chunk, *chunk_specs),
+                                              f"speculative prefill {what}", donate_argnums=(1, 2))
         # the jitted round; `round` calls it (what lingjax.precompile compiles, whatever wraps `round`)
         self.round_program = model.step_jit(model.sharded(self._rounds, (weight_specs, state_specs),
-                                                          (state_specs, rep)), donate_argnums=(1,))
+                                                          (state_specs, rep)), f"speculative round {what}",
+                                            donate_argnums=(1,))
         self.round = self.round_program
 
     @property
