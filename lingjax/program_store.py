@@ -1,16 +1,16 @@
 """Step programs lowered once and read back by later processes, so a warm start neither traces nor lowers them.
 
-A process's first token waits for each step program to be traced (the model's Python run over abstract values),
-lowered (jaxpr to StableHLO, the Pallas kernels to Triton IR) and compiled. The persistent compilation cache
-(lingjax.compilation_cache) spares a second process the compile only: it still traces and lowers every program
-to find the cache key, seconds on a large model. Here a step program compiled ahead of its first call
-(lingjax.precompile) is exported once (jax.export: its StableHLO and calling convention, serialized) into the store,
-under a key of everything that shapes it; a later process with the same key deserializes it and compiles a thin
-program that calls it, whose key the persistent cache already holds, because the first process compiled that
-same thin program. What the key holds (`key`): the source of every lingjax module, the jax and jaxlib versions,
-the backend and its devices' kinds, the program's identity (the model's config, dtype, run options and tensor
-parallelism, and the program's own static arguments: StepProgram.identity) and its arguments' structure, shapes,
-dtypes and shardings. Any of those changed, the key differs and the program is traced again.
+A process's first token waits for each step program to be traced (the model's Python run over abstract values), lowered
+(jaxpr to StableHLO, the Pallas kernels to Triton IR) and compiled. The persistent compilation cache
+(lingjax.compilation_cache) spares a second process the compile only: it still traces and lowers every program to find
+the cache key, seconds on a large model. Here a step program compiled ahead of its first call (lingjax.precompile) is
+exported once (jax.export: its StableHLO and calling convention, serialized) into the store, under a key of everything
+that shapes it; a later process with the same key deserializes it and compiles a thin program that calls it, whose key
+the persistent cache already holds, because the first process compiled that same thin program. What the key holds
+(`key`): the source of every lingjax module, the jax and jaxlib versions, the platform and its devices' kinds, jax's
+settings that change a trace (_TRACE_CONFIG), the program's identity (the model's config, dtype, run options and tensor
+parallelism, and the program's own static arguments: StepProgram.identity) and its arguments' structure, shapes, dtypes
+and shardings. Any of those changed, the key differs and the program is traced again.
 
 The store is off until `enable(directory)` (lingjax.compilation_cache.enable turns it on beside the compilation
 cache, as the CLI does). A stored program that cannot be read back (corrupt, or jax refuses it) is traced again
@@ -72,6 +72,11 @@ def _describe(leaf) -> str:
     return f"{leaf.shape}/{leaf.dtype}/{getattr(leaf, 'weak_type', False)}/{sharding!r}"
 
 
+# jax's settings that change what a trace computes
+_TRACE_CONFIG = ("jax_default_matmul_precision", "jax_enable_x64", "jax_default_prng_impl",
+                 "jax_threefry_partitionable", "jax_numpy_rank_promotion")
+
+
 def key(identity: str, args) -> str:
     """The stored program's name for a program of this identity called with `args` (arrays or stand-ins)."""
     import jaxlib
@@ -79,7 +84,8 @@ def key(identity: str, args) -> str:
     leaves, tree = jax.tree.flatten(args)
     devices = target.devices()
     parts = [source_hash(), jax.__version__, jaxlib.__version__, target.platform(),
-             ",".join(sorted({d.device_kind for d in devices})), str(len(devices)), identity, str(tree),
+             ",".join(sorted({d.device_kind for d in devices})), str(len(devices)),
+             *(f"{name}={getattr(jax.config, name)}" for name in _TRACE_CONFIG), identity, str(tree),
              *map(_describe, leaves)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
