@@ -1,10 +1,10 @@
 """JAX's persistent compilation cache for lingjax's programs, so a second run of the same command skips XLA.
 
-The CLI turns it on by default; the Python API leaves JAX's configuration to the caller (call `enable()`).
-Directory: $LINGJAX_CACHE_DIR, else $XDG_CACHE_HOME/lingjax/jax, else ~/.cache/lingjax/jax, with the program
-store (lingjax.program_store) in its programs/. Setting LINGJAX_NO_CACHE=1 (or the CLI's --no-cache) leaves both
-off. Every program is cached, however fast it
-compiled: a model's first token waits on dozens of small programs, and together they are most of the start-up.
+The CLI turns it on by default; the Python API leaves JAX's configuration to the caller (call `enable()`). Directory:
+$LINGJAX_CACHE_DIR, else $XDG_CACHE_HOME/lingjax/jax, else ~/.cache/lingjax/jax, with the program store
+(lingjax.program_store) in its programs/. Setting LINGJAX_NO_CACHE=1 (or the CLI's --no-cache) leaves both off. Every
+program is cached, however fast it compiled: a model's first token waits on dozens of small programs, and together they
+are most of the start-up.
 """
 
 from __future__ import annotations
