@@ -13,8 +13,9 @@ parallelism, and the program's own static arguments: StepProgram.identity) and i
 and shardings. Any of those changed, the key differs and the program is traced again.
 
 The store is off until `enable(directory)` (lingjax.compilation_cache.enable turns it on beside the compilation
-cache, as the CLI does). A stored program that cannot be read back (corrupt, or jax refuses it) is traced again
-and overwritten; without the `flatbuffers` package (jax.export's serialization) the store stays off.
+cache, as the CLI does). It keeps the KEEP programs used last. A stored program that cannot be read back (corrupt,
+or jax refuses it) is traced again and overwritten; without the `flatbuffers` package (jax.export's serialization)
+the store stays off.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import jax
 from lingjax import target
 
 _state = {"dir": None, "source": None}
+KEEP = 64  # stored programs kept (the most recently used; a few hundred KB to a few MB each)
 
 
 def enable(directory: str | Path | None) -> Path | None:
@@ -203,7 +205,9 @@ def _read(path: Path):
     again and overwritten)."""
     try:
         blob, out_tree = pickle.loads(path.read_bytes())
-        return jax.export.deserialize(bytearray(blob)), out_tree
+        exported = jax.export.deserialize(bytearray(blob))
+        os.utime(path)  # used now: the last to go when the store trims itself
+        return exported, out_tree
     except FileNotFoundError:
         return None
     except Exception:  # a truncated or foreign file: the program is traced again and the file replaced
@@ -219,3 +223,16 @@ def _write(path: Path, blob: bytes) -> None:
         os.replace(tmp, path)
     except OSError:
         Path(tmp).unlink(missing_ok=True)
+        return
+    _trim(path.parent)
+
+
+def _trim(store: Path) -> None:
+    """Keep the KEEP most recently used programs (each key is one lingjax source, jax version and argument shape,
+    so a long-lived cache directory would otherwise grow with every version and prompt size)."""
+    try:
+        files = sorted(store.glob("*.jaxexport"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in files[KEEP:]:
+            old.unlink(missing_ok=True)
+    except OSError:  # another process trimming at the same time: its work, not an error
+        pass

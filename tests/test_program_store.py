@@ -148,6 +148,22 @@ def test_a_stored_program_keeps_its_donation(store):
     assert program(c, d)[0].tolist() == [1, 2, 3] and c.is_deleted()
 
 
+def test_the_store_keeps_the_programs_used_last(store, monkeypatch):
+    """Past KEEP programs the least recently used go; a program read back counts as used."""
+    monkeypatch.setattr(program_store, "KEEP", 2)
+    program = program_store.StepProgram(jnp.negative, jax.jit(jnp.negative), "negative")
+    names = {}
+    for n in (1, 2):
+        program.prepare((jnp.ones(n),))
+        names[n] = set(os.listdir(store)) - set().union(*names.values())
+        os.utime(store / next(iter(names[n])), (1000 + n, 1000 + n))  # distinct use times, the older first
+    program._loaded.clear()
+    program.prepare((jnp.ones(1),))  # read back: 1 is now the newest
+    program.prepare((jnp.ones(3),))  # a third program: 2, the least recently used, goes
+    assert len(os.listdir(store)) == 2
+    assert names[1] <= set(os.listdir(store)) and not names[2] & set(os.listdir(store))
+
+
 def test_the_store_is_off_until_enabled():
     program = program_store.StepProgram(jnp.negative, jax.jit(jnp.negative), "negative")
     assert program_store.directory() is None
