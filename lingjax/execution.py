@@ -128,9 +128,12 @@ class CompileOptions:
 def step_jit(fun, compile_options: CompileOptions = CompileOptions(), **kwargs):
     """jax.jit for a hot step program: on a GPU with step_compiler_options (docs/engine.md says why each is
     set), elsewhere plain jax.jit."""
-    if target.platform() == "gpu":
-        kwargs["compiler_options"] = step_compiler_options(compile_options)
-    return jax.jit(fun, **kwargs)
+    return jax.jit(fun, compiler_options=step_jit_options(compile_options), **kwargs)
+
+
+def step_jit_options(compile_options: CompileOptions = CompileOptions()) -> dict | None:
+    """The compiler options step_jit gives a program: step_compiler_options on a GPU, none elsewhere."""
+    return step_compiler_options(compile_options) if target.platform() == "gpu" else None
 
 
 def step_compiler_options(compile_options: CompileOptions = CompileOptions()) -> dict:

@@ -93,16 +93,17 @@ def key(identity: str, args) -> str:
 
 
 class StepProgram:
-    """A jitted step program (`jitted`, a jax.jit of the program body `fun`) that calls, for the arguments it was
-    stored for, the program read back from the store instead (`prepare`). `identity`: what, besides its arguments,
-    shapes the program (the key's part its creator knows). Called like `jitted`; every other attribute (trace,
-    lower) is jitted's."""
+    """A step program: `jitted`, the program body `fun` under jax.jit with these donated arguments and compiler
+    options, or, for the arguments it was stored for, the program read back from the store (`prepare`).
+    `identity`: what, besides its arguments, shapes the program (the key's part its creator knows). Called like
+    `jitted`; every other attribute (trace, lower) is jitted's."""
 
-    def __init__(self, fun, jitted, identity: str, donate_argnums: tuple[int, ...] = (), compiler_options=None):
-        self.fun, self.jitted, self.identity = fun, jitted, identity
+    def __init__(self, fun, identity: str, donate_argnums: tuple[int, ...] = (), compiler_options=None):
+        self.fun, self.identity = fun, identity
         self._donate, self._options = tuple(donate_argnums), compiler_options
+        self.jitted = jax.jit(fun, donate_argnums=self._donate, compiler_options=compiler_options)
         self._loaded: dict[tuple, object] = {}  # the arguments' signature -> the program calling the stored one
-        self._current = jitted  # what a call tries first: the last program that served a call
+        self._current = self.jitted  # what a call tries first: the last program that served a call
 
     def __getattr__(self, name):
         return getattr(self.jitted, name)

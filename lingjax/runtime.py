@@ -20,10 +20,10 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from lingjax import kernels as kernel_sets
-from lingjax import sharding, target
+from lingjax import sharding
 from lingjax.cache import ModelCache, init_cache
 from lingjax.config import LingConfig
-from lingjax.execution import CompileOptions, Exec, Tuning, step_compiler_options, step_jit
+from lingjax.execution import CompileOptions, Exec, Tuning, step_jit_options
 from lingjax.model import Fp8Weight, LingModel, param_count
 from lingjax.program_store import StepProgram
 from lingjax.requests import check_prompt_ids
@@ -163,12 +163,10 @@ class Model:
         return jax.tree.unflatten(self._param_treedef, self.weights)
 
     def step_jit(self, fun, name: str, donate_argnums: tuple[int, ...] = ()) -> StepProgram:
-        """fun jitted as a step program (lingjax.execution.step_jit) that the program store can keep
+        """fun jitted as a step program (as lingjax.execution.step_jit jits it) that the program store can keep
         (lingjax.program_store): `name` is what sets it apart from this model's other programs (the program and
         its static arguments), to which the model's own identity is added."""
-        jitted = step_jit(fun, self.options.compile, donate_argnums=donate_argnums)
-        return StepProgram(fun, jitted, f"{self.identity}\n{name}", donate_argnums,
-                           step_compiler_options(self.options.compile) if target.platform() == "gpu" else None)
+        return StepProgram(fun, f"{self.identity}\n{name}", donate_argnums, step_jit_options(self.options.compile))
 
     def sharded(self, fun, in_specs, out_specs):
         """fun itself without TP; under TP, fun running on each device's shards (shard_map)."""

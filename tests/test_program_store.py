@@ -137,8 +137,7 @@ def test_a_stored_program_keeps_its_donation(store):
     def add_double(a, b):
         return a + b, b * 2
 
-    program = program_store.StepProgram(add_double, jax.jit(add_double, donate_argnums=(0,)), "add double",
-                                        donate_argnums=(0,))
+    program = program_store.StepProgram(add_double, "add double", donate_argnums=(0,))
     a, b = jnp.arange(4.0) + 1, jnp.arange(4.0)
     program.prepare((a, b)).trace(a, b).lower().compile()
     total, double = program(a, b)
@@ -151,7 +150,7 @@ def test_a_stored_program_keeps_its_donation(store):
 def test_the_store_keeps_the_programs_used_last(store, monkeypatch):
     """Past KEEP programs the least recently used go; a program read back counts as used."""
     monkeypatch.setattr(program_store, "KEEP", 2)
-    program = program_store.StepProgram(jnp.negative, jax.jit(jnp.negative), "negative")
+    program = program_store.StepProgram(jnp.negative, "negative")
     names = {}
     for n in (1, 2):
         program.prepare((jnp.ones(n),))
@@ -165,7 +164,7 @@ def test_the_store_keeps_the_programs_used_last(store, monkeypatch):
 
 
 def test_the_store_is_off_until_enabled():
-    program = program_store.StepProgram(jnp.negative, jax.jit(jnp.negative), "negative")
+    program = program_store.StepProgram(jnp.negative, "negative")
     assert program_store.directory() is None
     assert program.prepare((jnp.ones(2),)) is program.jitted
 
