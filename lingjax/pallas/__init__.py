@@ -119,6 +119,17 @@ def f16_operand(x):
     return jnp.clip(x, -_BF16_IN_F16, _BF16_IN_F16).astype(jnp.float16)
 
 
+def fp8_dots_dtype(x_dtype, fp8_dots: str):
+    """The dtype an fp8 weight's tiles meet rows of x_dtype in: f16 for bf16 rows under fp8_dots "f16", else
+    x_dtype (the kernels convert each weight tile to their rows' dtype)."""
+    return jnp.dtype(jnp.float16 if fp8_dots == "f16" and x_dtype == jnp.bfloat16 else x_dtype)
+
+
+def fp8_dots_rows(x, fp8_dots: str):
+    """Rows as an fp8 weight's dots take them: in f16 (f16_operand) where fp8_dots_dtype says so, else x."""
+    return f16_operand(x) if fp8_dots_dtype(x.dtype, fp8_dots) != x.dtype else x
+
+
 def fp8_dots_reason(fp8_dots: str) -> str | None:
     """Why a tuning's fp8_dots is refused (None: one of FP8_DOTS)."""
     return None if fp8_dots in FP8_DOTS else f"fp8_dots {fp8_dots!r}, not one of {FP8_DOTS}"

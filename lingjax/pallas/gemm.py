@@ -33,8 +33,9 @@ from jax.experimental.pallas import triton as pltriton
 from lingjax.pallas import (
     MIN_DOT_K,
     dot_nt,
-    f16_operand,
+    fp8_dots_dtype,
     fp8_dots_reason,
+    fp8_dots_rows,
     is_pow2,
     pallas_call,
     pow2_tile,
@@ -134,11 +135,6 @@ def _converts(m: int, block, tuning: GemmTuning) -> bool:
     return block is not None and tuning.convert_rows > 0 and m >= tuning.convert_rows
 
 
-def _dots_dtype(x_dtype, tuning: GemmTuning):
-    """The dtype an fp8 weight's values meet x's rows in: f16 for bf16 rows under fp8_dots "f16", else x's."""
-    return jnp.dtype(jnp.float16 if tuning.fp8_dots == "f16" and x_dtype == jnp.bfloat16 else x_dtype)
-
-
 def supports(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpret=None) -> str | None:
     """None when `gemm` with these arguments (arrays or ShapeDtypeStructs) lowers to Triton and computes right on
     the GPU, else why not: a 2-D weight; scale blocks powers of 2; power-of-2 tiles of at least 16 along M and N
@@ -164,7 +160,7 @@ def supports(x, w, out_dtype=None, *, tuning: GemmTuning = GemmTuning(), interpr
         return f"an N tile of {bn} for N = {n}{where}, under the {MIN_TILE} of a Triton dot"
     if jnp.dtype(x.dtype).itemsize < 4 and sub < MIN_DOT_K:
         return f"a K step of {sub} for K = {k}{where} on {jnp.dtype(x.dtype).name} operands, under {MIN_DOT_K}"
-    w_bytes = _dots_dtype(x.dtype, tuning).itemsize if _converts(m, block, tuning) else itemsize
+    w_bytes = fp8_dots_dtype(x.dtype, tuning.fp8_dots).itemsize if _converts(m, block, tuning) else itemsize
     shared = tuning.stages * bk * (bm * jnp.dtype(x.dtype).itemsize + bn * w_bytes)
     if shared > SHARED_BYTES:
         return (f"{tuning.stages} stages of {bm} x {bk} and {bn} x {bk} tiles: {shared} bytes of shared memory, "
@@ -226,11 +222,10 @@ def gemm(x, w, out_dtype=None, *, live_rows=None, tuning: GemmTuning = GemmTunin
     if padded != m:
         flat = jnp.pad(flat, ((0, padded - m), (0, 0)))
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if block is not None and tuning.fp8_dots == "f16" and flat.dtype == jnp.bfloat16:
-        flat = f16_operand(flat)  # the kernel converts each weight tile to x's dtype: here f16
     if block is None:
         operands = (flat, w)
-    else:  # converted first: the kernel's tiles are then already of x's dtype
+    else:  # converted first: the kernel's tiles are then already of the rows' dtype
+        flat = fp8_dots_rows(flat, tuning.fp8_dots)
         operands = (flat, materialize(w.q).astype(flat.dtype) if _converts(m, block, tuning) else w.q, w.scale)
     if live_rows is not None:
         assert x.ndim == 2, "live_rows counts the rows of a 2-D x"

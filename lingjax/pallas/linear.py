@@ -36,8 +36,8 @@ from lingjax.pallas import (
     ROW_PER_SUM,
     X_ROW_MIN_BYTES,
     dot_nt,
-    f16_operand,
     fp8_dots_reason,
+    fp8_dots_rows,
     is_pow2,
     pallas_call,
     pow2_tile,
@@ -197,9 +197,7 @@ def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTu
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     partial = splits > 1
     out_shape = (splits, ROWS, n) if partial else (ROWS, n)
-    if block is not None and tuning.fp8_dots == "f16" and flat.dtype == jnp.bfloat16:
-        flat = f16_operand(flat)  # the kernel converts each weight tile to x's dtype: here f16
-    operands = (flat, w.q, w.scale) if block is not None else (flat, w)
+    operands = (fp8_dots_rows(flat, tuning.fp8_dots), w.q, w.scale) if block is not None else (flat, w)
     params = None if interpret else pltriton.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages)
     y = pallas_call(
         functools.partial(_kernel, bn=bn, bk=bk, sub=sub, gn=block[0] if block else bn, gk=block[1] if block else bk,

@@ -37,6 +37,7 @@ from lingjax.pallas import (
     dot_nt,
     f16_operand,
     fp8_dots_reason,
+    fp8_dots_rows,
     is_pow2,
     moe_router,
     pallas_call,
@@ -451,8 +452,8 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
                                                                      (shared[0].scale, shared[1].scale))
     scales_down = () if not down_blocks else (w_down.scale,) + (() if shared is None else (shared[2].scale,))
     h_round = x.dtype
-    if up_blocks and tuning.fp8_dots == "f16" and x.dtype == jnp.bfloat16:
-        x = f16_operand(x)  # the kernels convert each weight tile to their rows' dtype: here f16
+    if up_blocks:
+        x = fp8_dots_rows(x, tuning.fp8_dots)
     w_gate, w_up, w_down = (streamed(w) for w in (w_gate, w_up, w_down))
     shared = None if shared is None else tuple(streamed(w) for w in shared)
     slots = nb * block_m if routing else plan[0].shape[0]
