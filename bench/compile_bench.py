@@ -15,6 +15,9 @@ that is not the GPU's. The programs are those `lingjax generate` compiles for a 
 Each pass is a new process; both share one persistent compilation cache, empty before the first:
 - cold: an empty cache, as on a new machine (XLA compiles every program);
 - warm: the cache the cold pass filled, as a second process (tracing and lowering again, then a cache read).
+With --store, two more passes on a cache of their own compile each generation's programs as `lingjax generate`
+does (lingjax.precompile.compile_together, the program store on): cold, the programs also stored; warm, read back
+from the store (neither traced nor lowered) and the executables from the cache.
 A program's `compile` is XLA's work (the GPU compiler, Triton for the Pallas kernels) or, warm, the cache read.
 
 A full Flash's arguments (128 GB in fp8) exceed an 80 GB GPU's memory, and XLA's scheduler then rematerialises
@@ -131,6 +134,8 @@ def one_pass(args) -> list[dict]:
 
     compilation_cache.enable(args.cache_dir)
     model = abstract_model(args)
+    if args.pass_name.endswith("store"):
+        return store_pass(model, args)
     rows = []
     for spec in args.spec:
         lowered = []
@@ -157,6 +162,24 @@ def one_pass(args) -> list[dict]:
     return rows
 
 
+def store_pass(model, args) -> list[dict]:
+    """A --store pass: each generation's programs compiled as `lingjax generate` compiles them (together, through
+    the program store) -> [{name, seconds, stored}], stored: the files in the store after it."""
+    from lingjax import program_store
+    from lingjax.precompile import Job, compile_together
+
+    rows = []
+    for spec in args.spec:
+        jobs = [Job(name, fn, fargs) for name, fn, fargs in programs(model, spec, args)]
+        t0 = time.perf_counter()
+        compile_together(set(), jobs)
+        seconds = time.perf_counter() - t0
+        stored = len(list(program_store.directory().glob("*.jaxexport"))) if program_store.directory() else 0
+        rows.append(dict(name=spec, seconds=seconds, stored=stored))
+        progress(f"{args.pass_name}: {spec}'s {len(jobs)} programs in {seconds:.1f} s ({stored} stored)")
+    return rows
+
+
 def run_pass(name: str, cache_dir: str, argv: list[str]) -> tuple[list[dict], float]:
     """One pass in a new process -> (its rows, the process's wall seconds)."""
     t0 = time.perf_counter()
@@ -177,12 +200,14 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=1024, help="tokens generated (the cache's capacity)")
     p.add_argument("--concurrent", action="store_true",
                    help="also a cold pass that compiles each generation's programs at once, on a thread pool")
+    p.add_argument("--store", action="store_true",
+                   help="also a cold and a warm pass compiling as lingjax generate does, through the program store")
     p.add_argument("--pass-name", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:
         args.model, args.prompt_len, args.new_tokens, args.kernels = "tiny", 100, 16, "xla"
-        args.spec, args.concurrent = ["nextn"], True
+        args.spec, args.concurrent, args.store = ["nextn"], True, True
     if args.pass_name is not None:  # a child: one pass, its rows as the last line of stdout
         rows = one_pass(args)
         print(json.dumps(rows))
@@ -201,6 +226,9 @@ def main() -> None:
     if args.concurrent:
         with tempfile.TemporaryDirectory(prefix="lingjax-compile-bench-") as cache_dir:
             passes["cold, concurrent"] = run_pass("cold, concurrent", cache_dir, argv)
+    if args.store:
+        with tempfile.TemporaryDirectory(prefix="lingjax-compile-bench-") as cache_dir:
+            stored = {name: run_pass(name, cache_dir, argv) for name in ("cold, store", "warm, store")}
     say.table("program", "cold: trace s", "lower s", "compile s", "total s", "warm: trace s", "lower s",
               "cache read s", "total s")
     cold, warm = passes["cold"][0], passes["warm"][0]
@@ -227,6 +255,16 @@ def main() -> None:
                     f"{sum(r['trace'] + r['lower'] for r in con):.1f}", f"{con[0]['compile']:.1f}",
                     f"{seq / par:.2f}")
         say(f"- concurrent pass: the process {wall:.1f} s")
+    if args.store:
+        (cold_rows, cold_wall), (warm_rows, warm_wall) = stored["cold, store"], stored["warm, store"]
+        say()
+        say("As `lingjax generate` compiles them (lingjax.precompile.compile_together; the program store on), "
+            "each pass a new process on a cache of its own:")
+        say.table("generation", "cold s", "warm s (read back)", "programs stored")
+        for c, w in zip(cold_rows, warm_rows, strict=True):
+            say.row(c["name"], f"{c['seconds']:.1f}", f"{w['seconds']:.1f}", str(w["stored"]))
+        say(f"- the processes: cold {cold_wall:.1f} s, warm {warm_wall:.1f} s (imports and the abstract model "
+            "included)")
 
 
 def programs_seconds(rows: list[dict], pass_name: str) -> float:
