@@ -126,20 +126,8 @@ def fp8_dots_dtype(x_dtype, fp8_dots: str):
 
 
 def fp8_dots_rows(x, fp8_dots: str):
-    """Rows as an fp8 weight's dots take them: in f16 (f16_operand) where fp8_dots_dtype says so, else x. Called
-    before a launch on all its rows, or inside a kernel on each tile it reads (the same values: the same sums)."""
+    """Rows as an fp8 weight's dots take them: in f16 (f16_operand) where fp8_dots_dtype says so, else x."""
     return f16_operand(x) if fp8_dots_dtype(x.dtype, fp8_dots) != x.dtype else x
-
-
-# A kernel taking at most this many rows converts them for its fp8 dots itself, tile by tile in registers: XLA
-# does not fuse the conversion into the rows' producer, so converting before the launch costs a decode a launch
-# per fp8 GEMM; a prefill's rows, read by many programs, are converted once before the launch.
-CONVERT_IN_KERNEL_ROWS = 16
-
-
-def converts_rows_in_kernel(rows: int) -> bool:
-    """Whether a kernel over `rows` rows converts them for its fp8 dots itself (CONVERT_IN_KERNEL_ROWS)."""
-    return rows <= CONVERT_IN_KERNEL_ROWS
 
 
 def fp8_dots_reason(fp8_dots: str) -> str | None:

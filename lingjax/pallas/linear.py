@@ -8,9 +8,8 @@ autotuning off, by a default that is far slower at these shapes. Here the launch
 the speed does not depend on what a cache holds (docs/engine.md).
 
 One launch, grid (N / bn, K splits): each program streams its [bn, K / splits] strip of the weight once, multiplies it
-with x's [ROWS, bk] rows on the tensor cores with f32 accumulation (an fp8 tile is converted to x's dtype in registers;
-under fp8_dots "f16", the default, bf16 rows and fp8 tiles meet in f16, converted in registers, e4m3 values exact in
-either, so no launch converts x first: lingjax.pallas.CONVERT_IN_KERNEL_ROWS; each scale block's
+with x's [ROWS, bk] rows on the tensor cores with f32 accumulation (an fp8 tile is converted to x's dtype in registers,
+bf16 rows being passed in f16 first under fp8_dots "f16", the default, e4m3 values exact in either; each scale block's
 partial sum is scaled before it is added, so the product is Σ x·q·s with q·s exact in f32: the reference rounds q·s to
 x's dtype first, the kernel does not). Rows past `tokens` are written as zeros. With one split the kernel writes the
 output in its dtype; with K splits it writes f32 partial sums [splits, ROWS, N], added in split order after the launch.
@@ -65,8 +64,8 @@ class LinearTuning:
     are fewer than TARGET_PROGRAMS, each split whole K units (scale blocks, or K steps of a plain weight) of at least
     min_split columns). x_row_min_bytes, x_row_split: how a decode (T = 1) reads x's one row
     (lingjax.pallas.x_row_mode: from a load of this many bytes per 4 warps; once per K step, split in registers,
-    with x_row_split). fp8_dots: how an fp8 weight meets bf16 rows (lingjax.pallas.FP8_DOTS; "f16": x's tiles converted
-    to f16 in registers)."""
+    with x_row_split). fp8_dots: how an fp8 weight meets bf16 rows (lingjax.pallas.FP8_DOTS; "f16": x passed in
+    f16)."""
 
     bn: int = 64
     bk: int = 0
@@ -138,10 +137,10 @@ def supports(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = Linear
     return None
 
 
-def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row, tokens, scaled, partial, dots):
+def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row, tokens, scaled, partial):
     # x_ref [ROWS, K] (one_token: [≥ 1, K], its row 0 alone read); w_ref [N, K], plain or fp8; scaled: s_ref
     # [N / gn, K / gk] f32 first; y_ref [splits, ROWS, N] f32 (partial) or [ROWS, N] in the output's dtype.
-    # x_row: lingjax.pallas.x_row_mode at T = 1. dots: fp8_dots, the rows converted here (fp8_dots_rows).
+    # x_row: lingjax.pallas.x_row_mode at T = 1.
     s_ref, y_ref = refs if scaled else (None, refs[0])
     n, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(n * bn, bn)
@@ -154,7 +153,6 @@ def _kernel(x_ref, w_ref, *refs, bn, bk, sub, gn, gk, k_split, one_token, x_row,
             xs = x_rows(x_ref, rows, pl.ds(k0 + start, ks.size), x_row == ROW_PER_SUM)
         else:  # x's row of the whole K step, read once, this block's part
             xs = jnp.broadcast_to(part, (ROWS, ks.size))
-        xs = fp8_dots_rows(xs, dots)
         w = w_ref[cols, pl.ds(k0 + start, ks.size)].astype(xs.dtype)
         product = dot_nt(xs, w)
         return (product * scale[0] if scaled else product,)
@@ -199,13 +197,12 @@ def linear(x, w, out_dtype=None, *, tokens=None, tuning: LinearTuning = LinearTu
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     partial = splits > 1
     out_shape = (splits, ROWS, n) if partial else (ROWS, n)
-    operands = (flat, w.q, w.scale) if block is not None else (flat, w)
+    operands = (fp8_dots_rows(flat, tuning.fp8_dots), w.q, w.scale) if block is not None else (flat, w)
     params = None if interpret else pltriton.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages)
     y = pallas_call(
         functools.partial(_kernel, bn=bn, bk=bk, sub=sub, gn=block[0] if block else bn, gk=block[1] if block else bk,
                           k_split=k // splits,
-                          one_token=one_token, x_row=x_row, tokens=real, scaled=block is not None, partial=partial,
-                          dots=tuning.fp8_dots if block is not None else "x"),
+                          one_token=one_token, x_row=x_row, tokens=real, scaled=block is not None, partial=partial),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if partial else out_dtype),
         grid=(n // bn, splits),
         compiler_params=params,

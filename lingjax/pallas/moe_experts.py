@@ -34,10 +34,8 @@ from lingjax.pallas import (
     MIN_DOT_K,
     ROW_PER_SUM,
     X_ROW_MIN_BYTES,
-    converts_rows_in_kernel,
     dot_nt,
     f16_operand,
-    fp8_dots_dtype,
     fp8_dots_reason,
     fp8_dots_rows,
     is_pow2,
@@ -195,13 +193,12 @@ def _swiglu(g, u, limit):
 
 
 def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_k, block_m, bn, bk, limit,
-               shared_limit, routing, x_row_modes, shared_split, prefetch_lines, has_shared, blocks, h_round, dots):
+               shared_limit, routing, x_row_modes, shared_split, prefetch_lines, has_shared, blocks, h_round):
     # plan_ref [S] int32 (pair per slot, NP = padding); blk_ref [≥ NB] int32 (expert per block, −1 unused)
     # x_ref [R ≥ T, D] (rows past T unread); wg_ref, wu_ref [E, I, D]; optional shared sg_ref, su_ref [I, D];
     # with fp8 weights (blocks = ((gn, gk) of the experts, of the shared expert)) their scales after them, the
     # experts' [E, I/gn, D/gk] and the shared expert's [I/gn, D/gk];
-    # h_ref [S (+ shared blocks · BM), I] in the dots' dtype, each value rounded to h_round (bf16 in f16: fp8_dots).
-    # dots: fp8_dots where this kernel converts x's rows for its dots itself (fp8_dots_rows), else "x".
+    # h_ref [S (+ shared blocks · BM), I] in x's dtype, each value rounded to h_round (bf16 in f16: fp8_dots).
     # With `routing` (T = 1): plan_ref holds the router's partial logits [KS, 1, E] and blk_ref its bias [E];
     # block b's program selects the token's b-th expert itself, and one program publishes the routing, w_ref
     # [1, k] f32 and e_ref [1, k] int32, for the down kernel.
@@ -230,7 +227,6 @@ def _up_kernel(plan_ref, blk_ref, x_ref, wg_ref, wu_ref, *rest, nb, tokens, top_
                 xs = x_rows(x_ref, tok, ks, x_row == ROW_PER_SUM)
             else:  # T = 1: x's row of the whole K step, read once, this partial sum's part
                 xs = jnp.broadcast_to(part, (block_m, ks.size))
-            xs = fp8_dots_rows(xs, dots)
             g, u = dot_nt(xs, wg(ks).astype(xs.dtype)), dot_nt(xs, wu(ks).astype(xs.dtype))  # gate, up: same K step
             return (g, u) if scales is None else (g * scales[0], u * scales[1])
 
@@ -456,10 +452,8 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
                                                                      (shared[0].scale, shared[1].scale))
     scales_down = () if not down_blocks else (w_down.scale,) + (() if shared is None else (shared[2].scale,))
     h_round = x.dtype
-    dots = tuning.fp8_dots if up_blocks else "x"
-    h_dtype = fp8_dots_dtype(x.dtype, dots)
-    if not converts_rows_in_kernel(t):  # converted once here, or (few rows) by the up kernel, tile by tile
-        x, dots = fp8_dots_rows(x, dots), "x"
+    if up_blocks:
+        x = fp8_dots_rows(x, tuning.fp8_dots)
     w_gate, w_up, w_down = (streamed(w) for w in (w_gate, w_up, w_down))
     shared = None if shared is None else tuple(streamed(w) for w in shared)
     slots = nb * block_m if routing else plan[0].shape[0]
@@ -481,17 +475,16 @@ def _expert_launches(x, w_gate, w_up, w_down, plan, weights, limit, *, t, nb, to
 
     x_bytes = x.dtype.itemsize
     up_stage = block_m * bk_up * x_bytes + 2 * bn_up * bk_up * w_gate.dtype.itemsize  # x rows, gate and up
-    down_stage = block_m * bk_down * h_dtype.itemsize + bn_down * bk_down * w_down.dtype.itemsize  # h rows, down
+    down_stage = block_m * bk_down * x_bytes + bn_down * bk_down * w_down.dtype.itemsize  # h rows (x's dtype), down
 
-    out_shape = [jax.ShapeDtypeStruct((slots + ns * block_m, i_dim), h_dtype)]
+    out_shape = [jax.ShapeDtypeStruct((slots + ns * block_m, i_dim), x.dtype)]
     if routing:  # the routing the up kernel publishes
         out_shape += [jax.ShapeDtypeStruct((1, top_k), F32), jax.ShapeDtypeStruct((1, top_k), jnp.int32)]
     h, *routed = pallas_call(
         functools.partial(_up_kernel, nb=nb, tokens=t, top_k=top_k, block_m=block_m, bn=bn_up, bk=bk_up,
                           limit=float(limit), shared_limit=float(shared_limit), routing=routing,
                           x_row_modes=x_row_modes, shared_split=split,
-                          prefetch_lines=prefetch_lines, has_shared=ns > 0, blocks=up_blocks, h_round=h_round,
-                          dots=dots),
+                          prefetch_lines=prefetch_lines, has_shared=ns > 0, blocks=up_blocks, h_round=h_round),
         out_shape=out_shape,
         grid=(nb + ns * split, i_dim // bn_up),
         compiler_params=params(tuning.warps_up, tuning.stages_up, up_stage),
