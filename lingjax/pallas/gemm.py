@@ -72,10 +72,7 @@ class GemmTuning:
     this many rows of x and more (0: never) an fp8 weight's values are converted to the dots' dtype by one XLA
     pass before the launch, with the same scales and tiles (the same sums), so the kernel converts nothing: in
     registers each weight tile is converted once per M tile, 16 times at 2048 rows, which on an H100 cost more
-    than the pass (docs/kernels/gemm.md). span: the scale blocks an fp8 weight's N tile spans (bn up to span x the
-    block's rows, each row scaled by its block's scale; 1: one block, one scale a tile), the same sums. Compiled
-    for an H200, span 2 at 3 stages asks Triton for twice the shared memory `supports` counts (refused at
-    compile time); 2 stages fit."""
+    than the pass (docs/kernels/gemm.md)."""
 
     bm: int = 128
     bn: int = 256
@@ -85,7 +82,6 @@ class GemmTuning:
     swap: bool | None = None
     fp8_dots: str = "f16"
     convert_rows: int = CONVERT_ROWS
-    span: int = 1
 
 
 def _row_tile(m: int, want: int) -> int:
@@ -106,7 +102,7 @@ def _tiles(m: int, n: int, k: int, itemsize: int, block, tuning: GemmTuning) -> 
         bk = pow2_tile(k, want_bk)
         return bm, bn, bk, bk
     gn, gk = block
-    bn = pow2_tile(n, min(tuning.bn, gn * tuning.span))
+    bn = pow2_tile(gn, tuning.bn)
     bk = pow2_tile(k, want_bk)
     return bm, bn, bk, min(bk, gk)
 
@@ -187,33 +183,21 @@ def _kernel(*refs, live, **tiles):
 
 
 def _tile(x_ref, w_ref, s_ref, y_ref, m, n, *, bm, bn, bk, sub, gn, gk, k, scaled, swap):
-    """Program (m, n)'s [bm, bn] tile of y. An N tile over several scale blocks (GemmTuning.span) scales each
-    partial product by a vector holding each row block's scale: the same products and sums as a tile a block."""
+    """Program (m, n)'s [bm, bn] tile of y."""
     rows, cols = pl.ds(pl.multiple_of(m * bm, bm), bm), pl.ds(pl.multiple_of(n * bn, bn), bn)
-    parts = max(bn // gn, 1) if scaled else 1
-    shape = (bn, bm) if swap else (bm, bn)
-
-    def per_row(scale):  # the partial product's scale: one value, or one per scale block along the N tile
-        if parts == 1:
-            return scale[0]
-        block = jax.lax.broadcasted_iota(jnp.int32, (bn, 1) if swap else (1, bn), 0 if swap else 1) // gn
-        vector = jnp.full(block.shape, scale[-1], F32)
-        for p in range(parts - 1):
-            vector = jnp.where(block == p, scale[p], vector)
-        return vector
 
     def terms(start, ks, scale, part):  # one partial sum per scale block a K step spans (a plain weight: one)
         del part
         xs = x_ref[rows, ks]
         w = w_ref[cols, ks].astype(xs.dtype)
         product = dot_nt(w, xs) if swap else dot_nt(xs, w)
-        return (product * per_row(scale) if scaled else product,)
+        return (product * scale[0] if scaled else product,)
 
     scales = None
     if scaled:
-        scales = lambda kb: tuple(s_ref[n * parts + p, kb] if parts > 1 else s_ref[n * bn // gn, kb]  # noqa: E731
-                                  for p in range(parts))
-    (acc,) = scaled_k_loop(k // bk, bk, sub, (jnp.zeros(shape, F32),), terms, scales, gk)
+        scales = lambda kb: (s_ref[n * bn // gn, kb],)  # noqa: E731
+    zero = jnp.zeros((bn, bm) if swap else (bm, bn), F32)
+    (acc,) = scaled_k_loop(k // bk, bk, sub, (zero,), terms, scales, gk)
     y_ref[rows, cols] = (acc.T if swap else acc).astype(y_ref.dtype)
 
 
