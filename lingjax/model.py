@@ -82,6 +82,9 @@ def pad_rows(x: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
+linear = linear_ops.linear  # XLA's GEMM: at these widths it reads the weight at full bandwidth
+
+
 def narrow_linear(x: jax.Array, w: jax.Array, paths: Paths) -> jax.Array:
     """linear for a weight of a few dozen outputs (KDA's beta, MLA's head gate: [H, D]). At decode and
     verify sizes (T <= VERIFY_ROWS) it is a multiply-reduce, which XLA emits as one reduction fusion, a
