@@ -88,10 +88,8 @@ linear = linear_ops.linear  # XLA's GEMM: at these widths it reads the weight at
 def narrow_linear(x: jax.Array, w: jax.Array, paths: Paths) -> jax.Array:
     """linear for a weight of a few dozen outputs (KDA's beta, MLA's head gate: [H, D]). At decode and
     verify sizes (T <= VERIFY_ROWS) it is a multiply-reduce, which XLA emits as one reduction fusion, a
-    fraction of the time its GEMM fusion takes at that shape (docs/engine.md). On prefill rows op "gemm", as
-    `project`: XLA's GEMM fusion for this shape, compiled without autotuning, is split along K into partial sums
-    and far slower than the Pallas tiles (docs/kernels/gemm.md)."""
-    return linear_ops.dot_rows(x, w) if paths.small else paths.op("gemm")(x, w)
+    fraction of the time its GEMM fusion takes at that shape (docs/engine.md)."""
+    return linear_ops.dot_rows(x, w) if paths.small else linear(x, w)
 
 
 def project(x: jax.Array, w, paths: Paths, out_dtype=None) -> jax.Array:
