@@ -4,6 +4,8 @@ one request after another.
     python bench/serve_bench.py --model mid --prompt-len 8192 --output-len 1024 --requests 1000 \\
         --time-budget 240 --spec nextn --steps 3 --out serve_mid.md
     python bench/serve_bench.py --model tiny --prompt-len 40 --output-len 9 --requests 2 --prefill-chunk 32  # CPU
+    python bench/serve_bench.py --model flash --weights fp8 --prompt-len 512 2048 8192 --output-len 64 --requests 3
+        # several prompt lengths, one after another in one process (the model loaded once), a table each
     python bench/serve_bench.py --url http://127.0.0.1:8000 --prompt-len 8192 --output-len 1024 --requests 50
         # over HTTP, against a running `lingjax serve` (its --spec is the server's); bench/serve_http.py
 
@@ -37,13 +39,13 @@ def show_progress(done: int, total: int, started: float, tpot_ms: float) -> None
           f" TPOT {tpot_ms:.2f} ms", end="", file=sys.stderr, flush=True)
 
 
-def run_requests(model, args):
-    """One warm-up request (compiles every program), then requests until --requests or --time-budget ->
-    (warm-up seconds, [(start time, GenerationResult)], began, duration)."""
+def run_requests(model, args, prompt_len: int):
+    """One warm-up request (compiles every program), then requests of prompt_len tokens until --requests or
+    --time-budget -> (warm-up seconds, [(start time, GenerationResult)], began, duration)."""
     rng = np.random.default_rng(0)
 
     def request():
-        prompt = rng.integers(0, model.cfg.vocab_size, args.prompt_len)
+        prompt = rng.integers(0, model.cfg.vocab_size, prompt_len)
         start = time.perf_counter()
         result = lingjax.generate(model, prompt, args.output_len, ignore_eos=True, spec=args.spec, steps=args.steps,
                                   prefill_chunk=args.prefill_chunk,
@@ -63,7 +65,7 @@ def run_requests(model, args):
     return warmup_s, results, began, duration
 
 
-def report(model, args, warmup_s, results, began, duration) -> None:
+def report(say: Report, args, prompt_len: int, warmup_s, results, began, duration) -> None:
     tpots = [r.tpot_mean_s for _, r in results]
     out_tokens = sum(len(r.tokens) for _, r in results)
     arrivals = np.concatenate([start - began + np.asarray(r.token_times_s) for start, r in results])
@@ -71,17 +73,9 @@ def report(model, args, warmup_s, results, began, duration) -> None:
     rounds = sum(len(r.accept_lens) for _, r in results)
     accept = sum(sum(r.accept_lens) for _, r in results) / rounds if rounds else 1.0
     mean_tpot = statistics.fmean(tpots)
-    say = Report(args.out)
-    heading(
-        say,
-        f"serve_bench: {args.model}, {args.dtype}, weights {args.weights}, kernels={model.kernels}, "
-        f"router {args.router_precision}, tp={args.tp}, spec={args.spec or 'none'}"
-        f"{f' (S={args.steps or "its block"})' if args.spec else ''}, "
-        f"{args.rounds_per_call} per call",
-    )
-    say(f"prompt {args.prompt_len} (prefill chunks of {args.prefill_chunk}), output {args.output_len}, concurrency 1, "
-        f"greedy, EOS ignored; warm-up request {warmup_s:.1f} s (compilation)")
     say()
+    say(f"prompt {prompt_len} (prefill chunks of {args.prefill_chunk}), output {args.output_len}, concurrency 1, "
+        f"greedy, EOS ignored; warm-up request {warmup_s:.1f} s (compilation)")
     say.table("metric", "value")
     say.row("requests measured", f"{len(results)} (asked {args.requests}, budget {args.time_budget:.0f} s)")
     say.row("mean TPOT", f"{mean_tpot * 1e3:.3f} ms")
@@ -138,7 +132,8 @@ def main(argv=None):
                     "released Ling draft's shape, bench/dspark_shapes.py, for a preset)")
     ap.add_argument("--rounds-per-call", type=int, default=1,
                     help="speculative rounds (or decode steps without --spec) per device call")
-    ap.add_argument("--prompt-len", type=int, default=8192)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[8192],
+                    help="prompt tokens; several: each length's requests in turn, a table each")
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--prefill-chunk", type=int, default=engine.PREFILL_CHUNK,
@@ -150,9 +145,12 @@ def main(argv=None):
     if args.url is not None:
         if args.spec is not None or args.steps is not None:
             ap.error("--spec and --steps are the server's with --url: start it with `lingjax serve --spec ...`")
-        if args.requests < 1 or args.output_len < 2 or args.prompt_len < 1:
-            ap.error("--url needs --requests >= 1, --output-len >= 2 and --prompt-len >= 1")
+        if args.requests < 1 or args.output_len < 2 or len(args.prompt_len) != 1 or args.prompt_len[0] < 1:
+            ap.error("--url needs --requests >= 1, --output-len >= 2 and one --prompt-len >= 1")
+        args.prompt_len = args.prompt_len[0]
         return run_http(args)
+    if min(args.prompt_len) < 1:
+        ap.error(f"--prompt-len must be >= 1, got {min(args.prompt_len)}")
     try:
         requests.check_prefill_chunk(args.prefill_chunk)
     except ValueError as e:
@@ -167,7 +165,16 @@ def main(argv=None):
         draft = (dspark.random_dspark(dspark_shapes.ling_shaped_config(model.cfg), args.dtype) if args.draft == "random"
                  else dspark_io.load_dspark(args.draft, args.dtype, model.cfg))
         model = model.with_draft(draft)
-    report(model, args, *run_requests(model, args))
+    say = Report(args.out)
+    heading(
+        say,
+        f"serve_bench: {args.model}, {args.dtype}, weights {args.weights}, kernels={model.kernels}, "
+        f"router {args.router_precision}, tp={args.tp}, spec={args.spec or 'none'}"
+        f"{f' (S={args.steps or "its block"})' if args.spec else ''}, "
+        f"{args.rounds_per_call} per call",
+    )
+    for prompt_len in args.prompt_len:
+        report(say, args, prompt_len, *run_requests(model, args, prompt_len))
 
 
 if __name__ == "__main__":
