@@ -13,6 +13,8 @@
 #               decode's census, the DSpark round.
 #   part flash2: (needs an H200) a 2048-token prefill chunk's census (issue 51), the NEXTN (S=3) and DSpark rounds
 #               with the full and a 25% draft vocabulary (issue 52), the serving benchmark's plain decode (8192 in).
+#   part h200: (needs an H200) full Flash fp8: TTFT for 8192, 2048 and 512 tokens (issue 51), the decode step and
+#               the NEXTN round (S=3), then the DSpark round alone (issue 48).
 #   part compile: (fits an H100) the compile seconds, cold and warm, of every program the three generation modes
 #               need, on flash18 and mid in fp8, with each mode's programs also compiled at once (issue 51).
 #   part compile_flash: (fits an H100) the same for full Flash's NEXTN and DSpark programs (abstract weights; XLA's
@@ -27,7 +29,7 @@
 #               token on flash18 with the Triton dialect alias (lingjax/pallas/dialect_lookup.py) against without,
 #               alternating processes.
 set -u
-PART=${1:?part guard, small, flash, flash2, compile, compile_flash, first_token or sweep}
+PART=${1:?part guard, small, flash, flash2, h200, compile, compile_flash, first_token or sweep}
 BASE=${BASE:-.dev/base}
 DEADLINE=${DEADLINE:-555}
 LOGDIR=${LOGDIR:-/tmp/logs}
@@ -70,6 +72,14 @@ elif [[ $PART == flash2 ]]; then
     step serve_flash 240 python bench/serve_bench.py --model flash --weights fp8 --prompt-len 8192 \
         --output-len 1024 --requests 3 --time-budget 60 --out "$OUT/serve_flash.md"
     cp "$LOGDIR/prof_flash_prefill.log" "$OUT/" 2>/dev/null
+elif [[ $PART == h200 ]]; then
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
+    step ttft_flash 230 python bench/serve_bench.py --model flash --kernels pallas --weights fp8 \
+        --prompt-len 8192 2048 512 --output-len 64 --requests 4 --time-budget 20 --out "$OUT/ttft_flash.md"
+    step step_flash 190 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
+        --programs decode nextn --steps 3 --n 16 --out "$OUT/step_flash.md"
+    step step_flash_dspark 190 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
+        --programs dspark --dspark --markov-topk 64 --n 16 --out "$OUT/step_flash_dspark.md"
 elif [[ $PART == compile ]]; then
     step compile_flash18 360 python bench/compile_bench.py --model flash18 --weights fp8 --kernels pallas \
         --spec plain nextn dspark --concurrent --out "$OUT/compile_flash18.md"
