@@ -18,6 +18,7 @@ Each pass is a new process; both share one persistent compilation cache, empty b
 With --store, two more passes on a cache of their own compile each generation's programs as `lingjax generate`
 does (lingjax.precompile.compile_together, the program store on): cold, the programs also stored; warm, read back
 from the store (neither traced nor lowered) and the executables from the cache.
+--passes picks passes by name (e.g. `--passes store`: the two store passes alone, for a same-call A/B of trees).
 A program's `compile` is XLA's work (the GPU compiler, Triton for the Pallas kernels) or, warm, the cache read.
 
 A full Flash's arguments (128 GB in fp8) exceed an 80 GB GPU's memory, and XLA's scheduler then rematerialises
@@ -41,6 +42,7 @@ import common
 from common import Report, add_options, heading, parser, progress, tuning_for, xla_label
 
 SPECS = ("plain", "nextn", "dspark")
+PASSES = ("one-by-one", "concurrent", "store")
 
 
 def abstract_model(args):
@@ -202,12 +204,18 @@ def main() -> None:
                    help="also a cold pass that compiles each generation's programs at once, on a thread pool")
     p.add_argument("--store", action="store_true",
                    help="also a cold and a warm pass compiling as lingjax generate does, through the program store")
+    p.add_argument("--passes", nargs="+", default=None, choices=PASSES,
+                   help="the passes to run, of one-by-one (cold and warm), concurrent and store (cold and warm); "
+                        "default one-by-one, plus those --concurrent and --store ask for")
     p.add_argument("--pass-name", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:
         args.model, args.prompt_len, args.new_tokens, args.kernels = "tiny", 100, 16, "xla"
         args.spec, args.concurrent, args.store = ["nextn"], True, True
+    if args.passes is None:
+        args.passes = ["one-by-one"] + ["concurrent"] * args.concurrent + ["store"] * args.store
+    args.concurrent, args.store = "concurrent" in args.passes, "store" in args.passes
     if args.pass_name is not None:  # a child: one pass, its rows as the last line of stdout
         rows = one_pass(args)
         print(json.dumps(rows))
@@ -220,40 +228,47 @@ def main() -> None:
     heading(say, f"Compile time of {args.model}'s programs ({args.weights} weights), cold and warm")
     say(f"kernels {args.kernels}{xla_label(args.xla_option)}; prompt {args.prompt_len} tokens, {args.new_tokens} "
         f"new; each pass a new process, one persistent compilation cache between them (empty before the cold pass)")
-    with tempfile.TemporaryDirectory(prefix="lingjax-compile-bench-") as cache_dir:
-        passes = {name: run_pass(name, cache_dir, argv) for name in ("cold", "warm")}
-        entries = sum(1 for _ in Path(cache_dir).rglob("*") if _.is_file())
+    passes, entries = {}, None
+    if "one-by-one" in args.passes:
+        with tempfile.TemporaryDirectory(prefix="lingjax-compile-bench-") as cache_dir:
+            passes = {name: run_pass(name, cache_dir, argv) for name in ("cold", "warm")}
+            entries = sum(1 for _ in Path(cache_dir).rglob("*") if _.is_file())
     if args.concurrent:
         with tempfile.TemporaryDirectory(prefix="lingjax-compile-bench-") as cache_dir:
             passes["cold, concurrent"] = run_pass("cold, concurrent", cache_dir, argv)
     if args.store:
         with tempfile.TemporaryDirectory(prefix="lingjax-compile-bench-") as cache_dir:
             stored = {name: run_pass(name, cache_dir, argv) for name in ("cold, store", "warm, store")}
-    say.table("program", "cold: trace s", "lower s", "compile s", "total s", "warm: trace s", "lower s",
-              "cache read s", "total s")
-    cold, warm = passes["cold"][0], passes["warm"][0]
-    for c, w in zip(cold, warm, strict=True):
-        say.row(c["name"], *(f"{c[k]:.2f}" for k in ("trace", "lower", "compile")),
-                f"{c['trace'] + c['lower'] + c['compile']:.1f}",
-                *(f"{w[k]:.2f}" for k in ("trace", "lower", "compile")),
-                f"{w['trace'] + w['lower'] + w['compile']:.1f}")
+    if entries is not None:
+        say.table("program", "cold: trace s", "lower s", "compile s", "total s", "warm: trace s", "lower s",
+                  "cache read s", "total s")
+        for c, w in zip(passes["cold"][0], passes["warm"][0], strict=True):
+            say.row(c["name"], *(f"{c[k]:.2f}" for k in ("trace", "lower", "compile")),
+                    f"{c['trace'] + c['lower'] + c['compile']:.1f}",
+                    *(f"{w[k]:.2f}" for k in ("trace", "lower", "compile")),
+                    f"{w['trace'] + w['lower'] + w['compile']:.1f}")
     for name, (rows, wall) in passes.items():
         say(f"- {name}: the programs {programs_seconds(rows, name):.1f} s, the process {wall:.1f} s (imports and "
             "the abstract model included)")
-    say(f"- the cache held {entries} files after both passes")
+    if entries is not None:
+        say(f"- the cache held {entries} files after both passes")
     if args.concurrent:
         rows, wall = passes["cold, concurrent"]
         say()
+        cold = passes["cold"][0] if "cold" in passes else None
         say.table("generation", "cold, one by one: trace + lower s", "compile s", "cold, concurrent: trace + lower s",
                   "compile (together) s", "one by one / concurrent")
         for spec in args.spec:
-            one = [r for r in cold if spec_of(r["name"]) == spec]
             con = [r for r in rows if spec_of(r["name"]) == spec]
-            seq = sum(r["trace"] + r["lower"] + r["compile"] for r in one)
             par = sum(r["trace"] + r["lower"] for r in con) + con[0]["compile"]
+            mine = (f"{sum(r['trace'] + r['lower'] for r in con):.1f}", f"{con[0]['compile']:.1f}")
+            if cold is None:  # no one-by-one pass to compare with
+                say.row(spec, "-", "-", *mine, "-")
+                continue
+            one = [r for r in cold if spec_of(r["name"]) == spec]
+            seq = sum(r["trace"] + r["lower"] + r["compile"] for r in one)
             say.row(spec, f"{sum(r['trace'] + r['lower'] for r in one):.1f}", f"{sum(r['compile'] for r in one):.1f}",
-                    f"{sum(r['trace'] + r['lower'] for r in con):.1f}", f"{con[0]['compile']:.1f}",
-                    f"{seq / par:.2f}")
+                    *mine, f"{seq / par:.2f}")
         say(f"- concurrent pass: the process {wall:.1f} s")
     if args.store:
         (cold_rows, cold_wall), (warm_rows, warm_wall) = stored["cold, store"], stored["warm, store"]
