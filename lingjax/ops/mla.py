@@ -47,33 +47,45 @@ def mla_expanded(q_nope, q_pe, cache, w_kvb, positions, scale, tokens=None):
 
 
 def absorb_query(q_nope, w_kvb):
-    """kv_b_proj folded into the query: (q_lat = q_nope W_uk [T, H, R] f32 on every row, W_uv [H, v, R] f32
-    for o = ctx W_uv), each half of w_kvb converted to f32 where it is used. Shared with the Pallas kernel
-    (lingjax.pallas.mla_decode), so both round q_lat and o alike."""
+    """kv_b_proj folded into the query: q_lat = q_nope W_uk, [T, H, R] f32 on every row. Shared with the Pallas
+    kernel (lingjax.pallas.mla_decode), so both round q_lat alike.
+
+    Both absorbed products (this and `absorb_output`) take kv_b_proj whole, [H, n+v, R] as one reshape of w_kvb,
+    converted to f32 inside the GEMM: q_nope is padded with v zeros here, and the output keeps its last v columns
+    there. A slice of one half (W_uk = w[:, :n]) is a strided copy XLA will not fuse into its GEMM, so every step
+    would first write both halves out in f32 (twice the weight's bytes, then read again, one launch a layer);
+    the zeros' products add exact zeros, and each output column's sum is the same sum either way."""
     h, n = q_nope.shape[1:]
-    w = w_kvb.reshape(h, -1, w_kvb.shape[-1])  # [H, n+v, R]
-    w_uk, w_uv = w[:, :n].astype(F32), w[:, n:].astype(F32)
-    return jnp.einsum("thn,hnr->thr", q_nope.astype(F32), w_uk), w_uv
+    w = w_kvb.reshape(h, -1, w_kvb.shape[-1]).astype(F32)  # [H, n+v, R]
+    padded = jnp.pad(q_nope.astype(F32), ((0, 0), (0, 0), (0, w.shape[1] - n)))
+    return jnp.einsum("thj,hjr->thr", padded, w)
+
+
+def absorb_output(ctx, w_kvb, n: int):
+    """The context in latent space back through W_uv: ctx [T, H, R] f32 -> o [T, H, v] f32 (v = kv_b_proj's
+    per-head rows less n = qk_nope_head_dim), from the whole weight as absorb_query says."""
+    w = w_kvb.reshape(ctx.shape[1], -1, w_kvb.shape[-1]).astype(F32)  # [H, n+v, R]
+    return jnp.einsum("thr,hjr->thj", ctx, w)[..., n:]
 
 
 def _absorbed_weights(q_nope, q_pe, cache, w_kvb, positions, scale):
-    """-> (attention weights p [T, H, L] f32, W_uv [H, v, R] f32) in the absorbed form."""
+    """-> attention weights p [T, H, L] f32 in the absorbed form."""
     latent, k_pe = _split(cache, w_kvb)
-    q_lat, w_uv = absorb_query(q_nope, w_kvb)  # [T, H, R], [H, v, R]
+    q_lat = absorb_query(q_nope, w_kvb)  # [T, H, R]
     scores = jnp.einsum("thr,lr->thl", q_lat, latent.astype(F32))
     scores += jnp.einsum("thr,lr->thl", q_pe.astype(F32), k_pe.astype(F32))
-    return _masked_softmax(scores * scale, positions), w_uv
+    return _masked_softmax(scores * scale, positions)
 
 
 def attention_weights(q_nope, q_pe, cache, w_kvb, positions, scale):
     """mla_absorbed's arguments -> each query row's attention over the cache slots, [T, H, L] f32 (zero past
     its position): what lingjax.inspection shows."""
-    return _absorbed_weights(q_nope, q_pe, cache, w_kvb, positions, scale)[0]
+    return _absorbed_weights(q_nope, q_pe, cache, w_kvb, positions, scale)
 
 
 def mla_absorbed(q_nope, q_pe, cache, w_kvb, positions, scale, tokens=None):
     """Same arguments and result as mla_expanded; never materialises per-head keys."""
     latent, _ = _split(cache, w_kvb)
-    p, w_uv = _absorbed_weights(q_nope, q_pe, cache, w_kvb, positions, scale)
+    p = _absorbed_weights(q_nope, q_pe, cache, w_kvb, positions, scale)
     ctx = jnp.einsum("thl,lr->thr", p, latent.astype(F32))  # [T, H, R]
-    return _zero_past(jnp.einsum("thr,hvr->thv", ctx, w_uv), tokens)
+    return _zero_past(absorb_output(ctx, w_kvb, q_nope.shape[-1]), tokens)

@@ -3,8 +3,8 @@ decoding straight from the latent cache, reading only the slots the rows can see
 
 Two launches: `_split_kernel` folds each split's cache tiles into online-softmax partials (running max m,
 sum l, context acc); `_combine_kernel` merges every split's partials in one reduction. kv_b_proj's two
-halves stay in XLA on either side (lingjax.ops.mla.absorb_query, shared with the reference). A row's result
-depends on its own query, position and the cache alone, at every T (row invariance, lingjax.model).
+products stay in XLA on either side (lingjax.ops.mla.absorb_query and absorb_output, shared with the reference).
+A row's result depends on its own query, position and the cache alone, at every T (row invariance, lingjax.model).
 
 Reference: lingjax.ops.mla.mla_absorbed.
 """
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lingjax.ops.mla import absorb_query
+from lingjax.ops.mla import absorb_output, absorb_query
 from lingjax.pallas import _NN, _NT, is_pow2, pallas_call, pow2_tile, resolve_interpret
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -164,7 +164,7 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
     assert cache.shape[1] == rank + r and 1 <= tokens <= rows, (cache.shape, rank, r, tokens, rows)
     block_l, splits = tuning.tile_l(cache.shape[0]), tuning.splits
     interpret = resolve_interpret(interpret)
-    q_lat, w_uv = absorb_query(q_nope, w_kvb)  # every row, as the reference (row invariance)
+    q_lat = absorb_query(q_nope, w_kvb)  # every row, as the reference (row invariance)
     real = tokens * h
     n_rows = pl.cdiv(real, BM) * BM
     positions = positions.astype(jnp.int32)
@@ -192,4 +192,4 @@ def mla_decode_attention(q_nope, q_pe, cache, w_kvb, positions, scale, *, tokens
         name="mla_decode_combine",
     )(acc, m, l)
     ctx = ctx[: rows * h].reshape(rows, h, rank)
-    return jnp.einsum("thr,hvr->thv", ctx, w_uv)
+    return absorb_output(ctx, w_kvb, q_nope.shape[-1])
