@@ -101,6 +101,13 @@ def measure(models: dict, args) -> tuple[dict, dict]:
     return rows, dict(files=files, bytes=num_bytes, tokens=len(ids))
 
 
+def publish(lines: list[str], out: Path | None) -> None:
+    """The report on stdout, and in `out` when given."""
+    print("\n".join(lines))
+    if out:
+        out.write_text("\n".join(lines) + "\n")
+
+
 def report(title: str, script: str, setup: str, column: str, rows: dict, data: dict, args, argv) -> list[str]:
     """The A/B's markdown: heading, setup, one row per model against the first (the reference) -> lines."""
     import jax
@@ -152,9 +159,7 @@ def main(argv=None) -> None:
              f"device (kernels {models['fp8'].kernels}); compute {args.dtype}.")
     lines = report("fp8 weights against bf16 on the shipped model", "fp8_accuracy.py", setup, "weights", rows, data,
                    args, argv)
-    print("\n".join(lines))
-    if args.out:
-        args.out.write_text("\n".join(lines) + "\n")
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fp8_accuracy import add_accuracy_options, measure, report  # noqa: E402
+from fp8_accuracy import add_accuracy_options, measure, publish, report  # noqa: E402
 
 from common import add_options, parser, tuning_for, tuning_label  # noqa: E402
 
@@ -66,9 +66,7 @@ def main(argv=None) -> None:
         setup += (f"every op on its XLA reference; the second row runs op {ops} on its Pallas kernel ({where}).")
     rows, data = measure(models, args)
     lines = report(title, "op_rounding.py", setup, "kernels", rows, data, args, argv)
-    print("\n".join(lines))
-    if args.out:
-        args.out.write_text("\n".join(lines) + "\n")
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

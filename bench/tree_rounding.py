@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline import ROOT, _env, tree  # noqa: E402
-from fp8_accuracy import add_accuracy_options, report  # noqa: E402
+from fp8_accuracy import add_accuracy_options, publish, report  # noqa: E402
 
 from common import parser  # noqa: E402
 
@@ -75,9 +75,7 @@ def main(argv=None) -> None:
     setup = f"checkpoint {args.checkpoint}, compute {args.dtype}, kernels {kernels}, each side a process of its own."
     lines = report(f"this tree against {label} on the shipped model", "tree_rounding.py", setup, "tree", rows, data,
                    args, argv)
-    print("\n".join(lines))
-    if args.out:
-        args.out.write_text("\n".join(lines) + "\n")
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":
