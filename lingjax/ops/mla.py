@@ -54,7 +54,8 @@ def absorb_query(q_nope, w_kvb):
     converted to f32 inside the GEMM: q_nope is padded with v zeros here, and the output keeps its last v columns
     there. A slice of one half (W_uk = w[:, :n]) is a strided copy XLA will not fuse into its GEMM, so every step
     would first write both halves out in f32 (twice the weight's bytes, then read again, one launch a layer);
-    the zeros' products add exact zeros, and each output column's sum is the same sum either way."""
+    the zeros' products add exact zeros, and each output column's sum has the same terms either way (a GPU GEMM may
+    add them in another order: a declared rounding change, docs/kernels/mla.md)."""
     h, n = q_nope.shape[1:]
     w = w_kvb.reshape(h, -1, w_kvb.shape[-1]).astype(F32)  # [H, n+v, R]
     padded = jnp.pad(q_nope.astype(F32), ((0, 0), (0, 0), (0, w.shape[1] - n)))
