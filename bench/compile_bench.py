@@ -215,7 +215,7 @@ def main() -> None:
         args.spec, args.concurrent, args.store = ["nextn"], True, True
     if args.passes is None:
         args.passes = ["one-by-one"] + ["concurrent"] * args.concurrent + ["store"] * args.store
-    args.concurrent, args.store = "concurrent" in args.passes, "store" in args.passes
+    one_by_one, args.concurrent, args.store = (name in args.passes for name in PASSES)
     if args.pass_name is not None:  # a child: one pass, its rows as the last line of stdout
         rows = one_pass(args)
         print(json.dumps(rows))
@@ -228,8 +228,8 @@ def main() -> None:
     heading(say, f"Compile time of {args.model}'s programs ({args.weights} weights), cold and warm")
     say(f"kernels {args.kernels}{xla_label(args.xla_option)}; prompt {args.prompt_len} tokens, {args.new_tokens} "
         f"new; each pass a new process, one persistent compilation cache between them (empty before the cold pass)")
-    passes, entries = {}, None
-    if "one-by-one" in args.passes:
+    passes = {}
+    if one_by_one:
         with tempfile.TemporaryDirectory(prefix="lingjax-compile-bench-") as cache_dir:
             passes = {name: run_pass(name, cache_dir, argv) for name in ("cold", "warm")}
             entries = sum(1 for _ in Path(cache_dir).rglob("*") if _.is_file())
@@ -239,7 +239,7 @@ def main() -> None:
     if args.store:
         with tempfile.TemporaryDirectory(prefix="lingjax-compile-bench-") as cache_dir:
             stored = {name: run_pass(name, cache_dir, argv) for name in ("cold, store", "warm, store")}
-    if entries is not None:
+    if one_by_one:
         say.table("program", "cold: trace s", "lower s", "compile s", "total s", "warm: trace s", "lower s",
                   "cache read s", "total s")
         for c, w in zip(passes["cold"][0], passes["warm"][0], strict=True):
@@ -250,12 +250,12 @@ def main() -> None:
     for name, (rows, wall) in passes.items():
         say(f"- {name}: the programs {programs_seconds(rows, name):.1f} s, the process {wall:.1f} s (imports and "
             "the abstract model included)")
-    if entries is not None:
+    if one_by_one:
         say(f"- the cache held {entries} files after both passes")
     if args.concurrent:
         rows, wall = passes["cold, concurrent"]
         say()
-        cold = passes["cold"][0] if "cold" in passes else None
+        cold = passes["cold"][0] if one_by_one else None
         say.table("generation", "cold, one by one: trace + lower s", "compile s", "cold, concurrent: trace + lower s",
                   "compile (together) s", "one by one / concurrent")
         for spec in args.spec:
