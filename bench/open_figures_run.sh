@@ -15,6 +15,11 @@
 #               with the full and a 25% draft vocabulary (issue 52), the serving benchmark's plain decode (8192 in).
 #   part h200: (needs an H200) full Flash fp8: TTFT for 8192, 2048 and 512 tokens (issue 51), the decode step and
 #               the NEXTN round (S=3), then the DSpark round alone (issue 48).
+#   part e128: (fits an H100) flash_e128 (Flash's 42 layers and arrays, 128 experts) in fp8: decode and NEXTN round at
+#               1 and 4 rounds per call with the idle host's share, then the DSpark round (issue 48).
+#   part stacked: (fits an H100) the per-layer parameters stacked (lingjax.stacked.Stacking) against BASE (a checkout of
+#               602b479 with this tree's lingjax/presets.py, for flash_e128): flash_e128's decode and NEXTN round,
+#               the idle host's share, then this tree's decode at 4 rounds per call (issue 48).
 #   part compile: (fits an H100) the compile seconds, cold and warm, of every program the three generation modes
 #               need, on flash18 and mid in fp8, with each mode's programs also compiled at once (issue 51).
 #   part compile_flash: (fits an H100) the same for full Flash's NEXTN and DSpark programs (abstract weights; XLA's
@@ -29,7 +34,7 @@
 #               token on flash18 with the Triton dialect alias (lingjax/pallas/dialect_lookup.py) against without,
 #               alternating processes.
 set -u
-PART=${1:?part guard, small, flash, flash2, h200, compile, compile_flash, first_token or sweep}
+PART=${1:?part guard, small, flash, flash2, h200, e128, stacked, compile, compile_flash, first_token or sweep}
 BASE=${BASE:-.dev/base}
 DEADLINE=${DEADLINE:-555}
 LOGDIR=${LOGDIR:-/tmp/logs}
@@ -80,6 +85,16 @@ elif [[ $PART == h200 ]]; then
         --programs decode nextn --steps 3 --n 16 --out "$OUT/step_flash.md"
     step step_flash_dspark 190 python bench/step_bench.py --model flash --kernels pallas --weights fp8 \
         --programs dspark --dspark --markov-topk 64 --n 16 --out "$OUT/step_flash_dspark.md"
+elif [[ $PART == e128 ]]; then
+    step step_e128 360 python bench/step_bench.py --model flash_e128 --kernels pallas --weights fp8 \
+        --programs decode nextn --steps 3 --rounds-per-call 1 4 --n 16 --out "$OUT/step_e128.md"
+    step step_e128_dspark 220 python bench/step_bench.py --model flash_e128 --kernels pallas --weights fp8 \
+        --programs dspark --dspark --markov-topk 64 --n 16 --out "$OUT/step_e128_dspark.md"
+elif [[ $PART == stacked ]]; then
+    step stacked_ab 430 python bench/step_bench.py --model flash_e128 --kernels pallas --weights fp8 \
+        --programs decode nextn --steps 3 --n 16 --baseline "$BASE" --out "$OUT/stacked_ab.md"
+    step stacked_r4 150 python bench/step_bench.py --model flash_e128 --kernels pallas --weights fp8 \
+        --programs decode --rounds-per-call 4 --n 16 --out "$OUT/stacked_r4.md"
 elif [[ $PART == compile ]]; then
     step compile_flash18 360 python bench/compile_bench.py --model flash18 --weights fp8 --kernels pallas \
         --spec plain nextn dspark --concurrent --out "$OUT/compile_flash18.md"

@@ -19,15 +19,19 @@ as called.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 from collections.abc import Callable
+
+import jax
 
 from lingjax import target
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import linear as linear_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
+from lingjax.stacked import LayerOf, materialize
 
 KERNELS = ("xla", "pallas")
 CHOICES = ("auto",) + KERNELS
@@ -116,13 +120,25 @@ def runs_kernel(name: str, pallas: bool, tuning, *args, **kwargs) -> bool:
     return target.platform() != "gpu" or OPS[name].unsupported(*args, **kwargs, **extra) is None
 
 
+def on_values(fun: Callable) -> Callable:
+    """fun called with every lingjax.stacked.LayerOf among its arguments sliced out of its stack: how an XLA
+    reference reads a stacked layer's weight (a Pallas kernel reads it in place)."""
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        args, kwargs = jax.tree.map(materialize, (args, kwargs), is_leaf=lambda a: isinstance(a, LayerOf))
+        return fun(*args, **kwargs)
+
+    return call
+
+
 def implementation(name: str, pallas: bool, tuning=None) -> Callable:
     """The implementation of op `name`: its reference, or (pallas) its Pallas kernel with `tuning` (None: the
     kernel's defaults), which on a GPU falls back to the reference (Op.fallback's row-invariant form where the
     op has one) where supports() rejects a call's shapes."""
     op = OPS[name]
     if not pallas:
-        return op.reference
+        return on_values(op.reference)
     extra = {} if tuning is None else {"tuning": tuning}
 
     def call(*args, **kwargs):
@@ -130,7 +146,7 @@ def implementation(name: str, pallas: bool, tuning=None) -> Callable:
             reason = op.unsupported(*args, **kwargs, **extra)
             if reason:
                 _fall_back(name, reason)
-                return op.reference_for_gpu()(*args, **kwargs)
+                return on_values(op.reference_for_gpu())(*args, **kwargs)
         return op.kernel()(*args, **kwargs, **extra)
 
     return call

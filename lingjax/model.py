@@ -48,6 +48,7 @@ from lingjax.ops.rope import rope_interleaved
 from lingjax.param_init import ParamInit
 from lingjax.quantization import Fp8Layout, quantized_paths
 from lingjax.sharding import path_keys
+from lingjax.stacked import materialize
 
 F32 = jnp.float32
 
@@ -185,10 +186,11 @@ class KDAAttention(nnx.Module):
         with jax.named_scope("kda_recurrence"):
             if paths.kda_chunked:  # rows == T: no padding rows to skip
                 with jax.named_scope("kda_gate"):
-                    b = narrow_linear(x, self.b_proj[...], paths)  # [T, H]
+                    b = narrow_linear(x, materialize(self.b_proj[...]), paths)  # [T, H]
                 f, width = proj[:t, 3 * p : 4 * p], conv_w.shape[1]
                 window = kda_ops.ring_window(ring, start, width)
-                q, k, v, g, beta, window = kda_ops.kda_prepare(qkv, f, b, window, *params, n_valid, **gate_cfg)
+                q, k, v, g, beta, window = kda_ops.kda_prepare(qkv, f, b, window, *map(materialize, params), n_valid,
+                                                               **gate_cfg)
                 # q, k, v at the activations' precision, as the checkpoint's own model feeds fla's chunk_kda
                 # (the Pallas prefill then takes its bf16 path; the state stays f32)
                 q, k, v = (a.astype(x.dtype) for a in (q, k, v))

@@ -3,7 +3,8 @@
 The NNX module is split once into (graphdef, params); each jitted program takes the parameters as a
 flat tuple of arrays (`Model.weights`) and rebuilds the module inside the trace, so a call walks
 neither the object graph nor the nnx Variables in Python (at Flash's ~720 Variables that walk would cost the
-host milliseconds a step). Caches are separate pytrees, donated.
+host milliseconds a step). The per-layer parameters travel stacked, one array per name across the layers
+(lingjax.stacked.Stacking): a call's host cost grows with its argument arrays. Caches are separate pytrees, donated.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from lingjax import sharding
 from lingjax.cache import ModelCache, init_cache
 from lingjax.config import LingConfig
 from lingjax.execution import CompileOptions, Exec, Tuning, step_jit_options
+from lingjax.memory import HEADROOM, free_bytes
 from lingjax.model import Fp8Weight, LingModel, param_count
 from lingjax.program_store import StepProgram
 from lingjax.requests import check_prompt_ids
 from lingjax.sampling import SamplingParams, sample
+from lingjax.sharding import path_keys
+from lingjax.stacked import Stacking
 from lingjax.tokenizer import Tokenizer
 
 
@@ -74,12 +78,19 @@ class Model:
     """A loaded Ling model. `module` is the Flax NNX LingModel (for notebooks); the methods here are the jitted
     entry points the engine uses. With a mesh the parameters are sharded over its devices (lingjax/sharding.py)
     and every program body runs inside shard_map. lingjax.load builds one; `variant` derives another over the
-    same weights that runs differently (an A/B inside one process)."""
+    same weights that runs differently (an A/B inside one process).
+
+    The module's per-layer parameters are copied into stacks (stack_layers=False: not; lingjax.stacked), so the
+    module handed in should not be kept: its arrays are still held until it is dropped."""
 
     def __init__(self, module: LingModel, options: RunOptions | None = None, *, mesh=None, source: str = "",
-                 tokenizer: Tokenizer | None = None):
-        self.module = module
+                 tokenizer: Tokenizer | None = None, stack_layers: bool = True):
         self.cfg: LingConfig = module.cfg
+        self.dtype = module.dtype
+        self.has_mtp: bool = module.has_mtp
+        # whether matrices are held in fp8 on the device (lingjax.model.Fp8Weight; load(weights=...))
+        self.fp8: bool = any(isinstance(m, Fp8Weight) for _, m in nnx.iter_modules(module))
+        self._num_params = param_count(module)
         self.source = source
         self.tokenizer = tokenizer  # text <-> ids (lingjax.tokenizer); None: this model takes token ids only
         self.draft = None  # a lingjax.spec.dspark.DSpark beside the target (with_draft), for spec="dspark"
@@ -89,13 +100,30 @@ class Model:
         if mesh is not None:
             sharding.check_tp(self.cfg, self.tp)
         self.graphdef, params = nnx.split(module)
+        del module
         param_specs = sharding.param_specs(params)
         self.cache_specs = sharding.cache_spec(jax.eval_shape(lambda: init_cache(self.cfg, 1, self.dtype)))
         if mesh is not None:
             params = sharding.place(params, param_specs, mesh)
-        leaves, self._param_treedef = jax.tree.flatten(params)
-        self.weights = tuple(leaves)  # what every program takes; `params` is the structured view
-        self.weight_specs = tuple(self._param_treedef.flatten_up_to(param_specs))
+        with_paths, self._param_treedef = jax.tree_util.tree_flatten_with_path(params)
+        del params
+        paths = [path_keys(p) for p, _ in with_paths]
+        leaves = [leaf for _, leaf in with_paths]
+        del with_paths
+        leaf_specs = self._param_treedef.flatten_up_to(param_specs)
+        concrete = isinstance(leaves[0], jax.Array)
+        free = free_bytes(_device_of(leaves[0])) if concrete else None
+        self.stacking = (Stacking.plan(paths, leaves, leaf_specs, None if free is None else int(HEADROOM * free))
+                         if stack_layers else Stacking(n_leaves=len(leaves)))
+        self.weight_specs = self.stacking.specs(leaf_specs)
+        shardings = None
+        if mesh is not None:
+            shardings = [NamedSharding(mesh, spec) for spec in self.weight_specs[:len(self.stacking.groups)]]
+        elif concrete:
+            shardings = [SingleDeviceSharding(_device_of(leaves[0]))] * len(self.stacking.groups)
+        # what every program takes: the stacks, then the parameters that travel alone; `params` is the structured view
+        self.weights = self.stacking.arguments(leaves, shardings)
+        del leaves
         self._host_sharding = (NamedSharding(mesh, P()) if mesh is not None
                                else SingleDeviceSharding(_device_of(self.weights[0])))
         self._set_options(options or RunOptions())
@@ -112,7 +140,7 @@ class Model:
         self.ex = options.exec(sharding.AXIS if self.mesh is not None else None)
         # what shapes every program of this model besides its arguments (lingjax.program_store.key): the config,
         # dtype, run options, tensor parallelism and the parameters' structure (the programs take them flat)
-        self.identity = repr((self.cfg, str(self.dtype), options, self.tp, str(self._param_treedef)))
+        self.identity = repr((self.cfg, str(self.dtype), options, self.tp, str(self._param_treedef), self.stacking))
         ps, cs, rep, vocab = self.weight_specs, self.cache_specs, P(), P(None, sharding.AXIS)
         self._extend_logits = jax.jit(self.sharded(self._extend_logits_impl, (ps, cs, rep, rep), (vocab, cs)),
                                       donate_argnums=(1,))
@@ -159,8 +187,14 @@ class Model:
 
     @property
     def params(self):
-        """The parameters as an nnx.State (the same arrays as `weights`): for notebooks and tests."""
-        return jax.tree.unflatten(self._param_treedef, self.weights)
+        """The parameters as an nnx.State over the same arrays as `weights`, nothing copied: a stacked layer's
+        parameter is a lingjax.stacked.LayerOf (np.asarray or jnp.asarray gives its values). For notebooks and tests."""
+        return jax.tree.unflatten(self._param_treedef, self.stacking.views(self.weights))
+
+    @property
+    def module(self) -> LingModel:
+        """The Flax NNX LingModel over `params` (nothing copied), for notebooks."""
+        return nnx.merge(self.graphdef, self.params)
 
     def step_jit(self, fun, name: str, donate_argnums: tuple[int, ...] = ()) -> StepProgram:
         """fun jitted as a step program (as lingjax.execution.step_jit jits it) that the program store can keep
@@ -174,21 +208,8 @@ class Model:
             return fun
         return jax.shard_map(fun, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    @property
-    def dtype(self):
-        return self.module.dtype
-
-    @property
-    def has_mtp(self) -> bool:
-        return self.module.has_mtp
-
-    @property
-    def fp8(self) -> bool:
-        """Whether matrices are held in fp8 on the device (lingjax.model.Fp8Weight; load(weights=...))."""
-        return any(isinstance(m, Fp8Weight) for _, m in nnx.iter_modules(self.module))
-
     def num_params(self) -> int:
-        return param_count(self.module)
+        return self._num_params
 
     def new_cache(self, capacity: int) -> ModelCache:
         cache = init_cache(self.cfg, capacity, self.dtype)
@@ -215,7 +236,7 @@ class Model:
 
     # ---- program bodies (each sees this device's shards under TP) ------------------------------
     def _module(self, weights) -> LingModel:
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self._param_treedef, weights))
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._param_treedef, self.stacking.views(weights)))
 
     def _extend_logits_impl(self, weights, cache, tokens, start):
         module = self._module(weights)

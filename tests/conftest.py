@@ -229,6 +229,16 @@ def rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
+def layer_shards(w) -> set:
+    """The shapes of the shards the devices hold of one layer's weight: a stacked layer's (lingjax.stacked.LayerOf,
+    how lingjax.Model holds its per-layer parameters) are its stack's shards less the layer axis."""
+    from lingjax.stacked import LayerOf
+
+    if isinstance(w, LayerOf):
+        return {s.data.shape[1:] for s in w.stack.addressable_shards}
+    return {s.data.shape for s in w.addressable_shards}
+
+
 def fixture_dirs():
     return sorted(p for p in FIXTURES.iterdir() if (p / "reference.npz").exists()) if FIXTURES.exists() else []
 

@@ -5,14 +5,16 @@ import functools
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import lingjax
-from conftest import FIXTURES, key_for, rel_err
+from conftest import FIXTURES, key_for, layer_shards, rel_err
 from lingjax import sharding
 from lingjax.checkpoint import save_safetensors
 from lingjax.config import PRESETS, LingConfig
 from lingjax.execution import Exec
 from lingjax.random_weights import random_model
+from lingjax.stacked import LayerOf
 
 
 @functools.cache
@@ -44,7 +46,7 @@ def test_random_presets_are_drawn_in_shards_and_equal_at_every_tp():
     any TP (so benchmarks at several TP sizes compare one model)."""
     one, four = _tiny(1), _tiny(4)
     w_in = four.params["layers"][0]["attn"]["in_proj"][...]
-    assert {s.data.shape for s in w_in.addressable_shards} == {(5, w_in.shape[1] // 4, w_in.shape[2])}
+    assert layer_shards(w_in) == {(5, w_in.shape[1] // 4, w_in.shape[2])}
     for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(four.params)):
         assert a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b))
 
@@ -69,7 +71,7 @@ def test_tp8_matches_tp1(wide):
     one, eight = wide(1), wide(8)
     assert eight.cfg.kda_num_heads == 8
     in_proj = eight.params["layers"][0]["attn"]["in_proj"][...]
-    assert {s.data.shape for s in in_proj.addressable_shards} == {(5, in_proj.shape[1] // 8, in_proj.shape[2])}
+    assert layer_shards(in_proj) == {(5, in_proj.shape[1] // 8, in_proj.shape[2])}
     prompt = _prompt(37, 8)  # the shapes of the TP4 test's prompt: TP1 compiles nothing new
     assert rel_err(eight.logits(prompt), one.logits(prompt)) < 1e-4
     want = lingjax.generate(one, prompt, 24, ignore_eos=True).tokens
@@ -96,11 +98,11 @@ def test_weights_are_sharded_and_loaded_straight_into_shards():
     model = lingjax.load(FIXTURES / "tiny_c", dtype="float32", tp=2)
     kda = model.params["layers"][0]["attn"]
     w_in = kda["in_proj"][...]  # [5, P, D]: q|k|v|f|g, each split by channel
-    assert w_in.sharding.spec == sharding.param_spec(("in_proj",))
-    assert {s.data.shape for s in w_in.addressable_shards} == {(5, w_in.shape[1] // 2, w_in.shape[2])}
+    assert isinstance(w_in, LayerOf)  # the KDA layers' in_proj travel as one stack, split behind the layer axis
+    assert w_in.sharding.spec == P(None, *sharding.param_spec(("in_proj",)))
+    assert layer_shards(w_in) == {(5, w_in.shape[1] // 2, w_in.shape[2])}
     w_gate = model.params["layers"][2]["mlp"]["w_gate"][...]
-    assert {s.data.shape for s in w_gate.addressable_shards} == {(w_gate.shape[0], w_gate.shape[1] // 2,
-                                                                  w_gate.shape[2])}
+    assert layer_shards(w_gate) == {(w_gate.shape[0], w_gate.shape[1] // 2, w_gate.shape[2])}
     one = lingjax.load(FIXTURES / "tiny_c", dtype="float32")
     assert model.has_mtp and jax.tree.structure(one.params) == jax.tree.structure(model.params)
     for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(model.params)):

@@ -19,7 +19,7 @@ from flax import nnx
 
 from lingjax.checkpoint.fp8 import refuse_device_fp8
 from lingjax.checkpoint.names import CheckpointError
-from lingjax.checkpoint.params import merge, refuse_nonfinite
+from lingjax.checkpoint.params import merge, pure_params, refuse_nonfinite
 from lingjax.config import LingConfig
 from lingjax.model import LingModel, abstract_model
 
@@ -38,7 +38,7 @@ def save_orbax(model: LingModel, out_dir: str | Path, config_json: dict) -> None
     (out / "config.json").write_text(json.dumps(config_json, indent=2))
     (out / META_FILE).write_text(json.dumps({"has_mtp": model.has_mtp, "dtype": str(model.dtype),
                                              "layout": PARAM_LAYOUT}))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params = pure_params(model)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(out / ORBAX_DIR, params, force=True)
 

@@ -11,12 +11,11 @@ import json
 from pathlib import Path
 
 import numpy as np
-from flax import nnx
 from safetensors.numpy import save_file
 
 from lingjax.checkpoint.fp8 import SCALE_SUFFIX, quantizes, refuse_device_fp8
 from lingjax.checkpoint.names import INDEX_FILE, tensor_table
-from lingjax.checkpoint.params import get_at
+from lingjax.checkpoint.params import get_at, pure_params
 from lingjax.model import LingModel
 from lingjax.ops import fp8 as fp8_ops
 from lingjax.quantization import Fp8Config
@@ -33,7 +32,7 @@ def save_safetensors(model: LingModel, out_dir: str | Path, max_tensors_per_file
     config = model.cfg.to_hf() | ({"quantization_config": fp8.to_hf()} if fp8 else {})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     refuse_device_fp8(model, "save_safetensors")
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params = pure_params(model)
     tensors = {}
     for spec in tensor_table(model.cfg, model.has_mtp):
         array = np.asarray(get_at(params, spec.path))

@@ -110,9 +110,11 @@ class Fp8Array:
 
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         """q · scale in f32, rounded once to dtype: [..., N, K] (the reference every fp8 kernel is checked against)."""
+        from lingjax.stacked import materialize
+
         gn, gk = self.block
-        scale = jnp.repeat(jnp.repeat(self.scale.astype(jnp.float32), gn, axis=-2), gk, axis=-1)
-        return (self.q.astype(jnp.float32) * scale).astype(dtype)
+        scale = jnp.repeat(jnp.repeat(materialize(self.scale).astype(jnp.float32), gn, axis=-2), gk, axis=-1)
+        return (materialize(self.q).astype(jnp.float32) * scale).astype(dtype)
 
 
 def dense(w, dtype) -> jax.Array:

@@ -68,13 +68,15 @@ def share_lines(part, lines: int, total: int):
 
 def prefetch_share(ref, part, lines: int):
     """Inside a kernel: prefetch the `part`-th (traced) run of `lines` (a power of 2: a Triton tensor) 128-byte
-    lines of ref, a contiguous array ref; runs past its end issue nothing."""
+    lines of ref, a contiguous array ref or one layer of a stack's (lingjax.pallas.LayerRef: the offsets start at
+    its layer); runs past its end issue nothing."""
     per_line = LINE_BYTES // ref.dtype.itemsize
     total = _line_count(ref.shape, ref.dtype)
+    base, first = (ref.ref, ref.layer * math.prod(ref.shape)) if hasattr(ref, "layer") else (ref, 0)
 
     @pl.when(part * lines < total)
     def _():
-        prefetch_p.bind(ref, share_lines(part, lines, total) * per_line)
+        prefetch_p.bind(base, first + share_lines(part, lines, total) * per_line)
 
 
 def lines_per_program(arrays, parts: int) -> int:
