@@ -17,9 +17,10 @@
 #               the NEXTN round (S=3), then the DSpark round alone (issue 48).
 #   part e128: (fits an H100) flash_e128 (Flash's 42 layers and arrays, 128 experts) in fp8: decode and NEXTN round at
 #               1 and 4 rounds per call with the idle host's share, then the DSpark round (issue 48).
-#   part stacked: (fits an H100) the per-layer parameters stacked (lingjax.stacked.Stacking) against BASE (a checkout of
-#               602b479 with this tree's lingjax/presets.py, for flash_e128): flash_e128's decode and NEXTN round,
-#               the idle host's share, then this tree's decode at 4 rounds per call (issue 48).
+#   part stacked: (fits an H100) the per-layer parameters stacked (lingjax.stacked.Stacking) against BASE (a checkout
+#               with the flash_e128 preset: 602b479 plus this tree's lingjax/presets.py for the stacking itself,
+#               ca7984f for the layer read from a kernel input): flash_e128's decode step and the idle host's share,
+#               this tree then BASE, then this tree's decode at 4 rounds per call (issue 48).
 #   part compile: (fits an H100) the compile seconds, cold and warm, of every program the three generation modes
 #               need, on flash18 and mid in fp8, with each mode's programs also compiled at once (issue 51).
 #   part compile_flash: (fits an H100) the same for full Flash's NEXTN and DSpark programs (abstract weights; XLA's
@@ -91,8 +92,13 @@ elif [[ $PART == e128 ]]; then
     step step_e128_dspark 220 python bench/step_bench.py --model flash_e128 --kernels pallas --weights fp8 \
         --programs dspark --dspark --markov-topk 64 --n 16 --out "$OUT/step_e128_dspark.md"
 elif [[ $PART == stacked ]]; then
-    step stacked_ab 430 python bench/step_bench.py --model flash_e128 --kernels pallas --weights fp8 \
-        --programs decode nextn --steps 3 --n 16 --baseline "$BASE" --out "$OUT/stacked_ab.md"
+    # each side in its own step, its report written as it goes (--baseline holds its children's output until they
+    # end, so a side cut at its cap would leave nothing)
+    step stacked_tree 240 python bench/step_bench.py --model flash_e128 --kernels pallas --weights fp8 \
+        --programs decode --n 16 --out "$OUT/stacked_tree.md"
+    base=$(realpath "$BASE")
+    step stacked_base 240 env -C "$base" PYTHONPATH="$base" python bench/step_bench.py --model flash_e128 \
+        --kernels pallas --weights fp8 --programs decode --n 16 --out "$OUT/stacked_base.md"
     step stacked_r4 150 python bench/step_bench.py --model flash_e128 --kernels pallas --weights fp8 \
         --programs decode --rounds-per-call 4 --n 16 --out "$OUT/stacked_r4.md"
 elif [[ $PART == compile ]]; then

@@ -31,7 +31,7 @@ from lingjax.ops import kda as kda_ops
 from lingjax.ops import linear as linear_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
-from lingjax.stacked import LayerOf, materialize
+from lingjax.stacked import LayerOf, layer_as_value, materialize
 
 KERNELS = ("xla", "pallas")
 CHOICES = ("auto",) + KERNELS
@@ -147,6 +147,7 @@ def implementation(name: str, pallas: bool, tuning=None) -> Callable:
             if reason:
                 _fall_back(name, reason)
                 return on_values(op.reference_for_gpu())(*args, **kwargs)
+        args, kwargs = jax.tree.map(layer_as_value, (args, kwargs), is_leaf=lambda a: isinstance(a, LayerOf))
         return op.kernel()(*args, **kwargs, **extra)
 
     return call

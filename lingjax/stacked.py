@@ -4,10 +4,10 @@ Why: a program's host cost grows with its argument arrays (one per weight and la
 fp8), and a weight sliced out of a stack before a kernel's launch is copied first. `LayerOf(stack, layer)` stands
 for stack[layer] without slicing it: it has the layer's shape and dtype, passes through jit as a pytree, and
 lingjax.pallas.pallas_call hands the kernel the whole stack's ref read at that layer (lingjax.pallas.LayerRef).
-`layer` is a Python int (an unrolled loop over the layers) or an int32 scalar (a scan's counter: one layer compiled
-once, whatever the depth). An fp8 weight of a stack is an Fp8Array of two LayerOfs (its values' and its scales'
-stacks). XLA code that needs the values takes `materialize(w)`, which slices (and so copies where XLA cannot fuse
-the slice).
+`layer` is a Python int (an unrolled loop over the layers) or an int32 scalar (a scan's counter); either way the
+kernel reads it from an input, so one kernel serves every layer. An fp8 weight of a stack is an Fp8Array of two
+LayerOfs (its values' and its scales' stacks). XLA code that needs the values takes `materialize(w)`, which slices
+(and so copies where XLA cannot fuse the slice).
 
 `Stacking` is how a model's parameters become a program's arguments: each per-layer parameter of the same name,
 shape and dtype in every layer that has it is one stack (docs/engine.md, "Stacked layers"), read through LayerOf
@@ -103,6 +103,15 @@ def layer_of(w, layer):
     return LayerOf(w, layer)
 
 
+def layer_as_value(w):
+    """A LayerOf at a Python int layer -> the same at an int32 value (other arguments as they are): how a kernel's
+    jitted entry takes it, so every layer's call has the same arguments' types and traces, lowers and compiles
+    once (an int layer is static: one program a layer)."""
+    if isinstance(w, LayerOf) and isinstance(w.layer, int):
+        return LayerOf(w.stack, np.int32(w.layer))
+    return w
+
+
 def materialize(w):
     """A weight's values as an array: stack[layer] for a LayerOf (a slice), w itself otherwise."""
     if isinstance(w, LayerOf):
@@ -112,20 +121,18 @@ def materialize(w):
     return w
 
 
-def unstack_operands(operands) -> tuple[tuple, dict[int, int], list[tuple[int, jax.Array]]]:
-    """A kernel launch's operands -> (the operands with each LayerOf replaced by its stack, {position: static layer},
-    [(position, traced layer)])."""
-    flat, static, traced = [], {}, []
+def unstack_operands(operands) -> tuple[tuple, tuple[int, ...], list]:
+    """A kernel launch's operands -> (the operands with each LayerOf replaced by its stack, the positions of those,
+    their layers (Python ints or traced int32 scalars), in the same order)."""
+    flat, positions, layers = [], [], []
     for i, op in enumerate(operands):
         if isinstance(op, LayerOf):
             flat.append(op.stack)
-            if isinstance(op.layer, int):
-                static[i] = op.layer
-            else:
-                traced.append((i, op.layer))
+            positions.append(i)
+            layers.append(op.layer)
         else:
             flat.append(op)
-    return tuple(flat), static, traced
+    return tuple(flat), tuple(positions), layers
 
 
 # The per-layer parameters that travel stacked, by their name in the layer (the path after layers/<i>/; an fp8

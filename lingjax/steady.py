@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 PROGRAMS = ("decode", "nextn", "dspark", "prefill")
@@ -68,13 +67,15 @@ def steady_program(model, program: str, prompt: np.ndarray, steps: int | None = 
     from lingjax.sampling import SamplingParams
     from lingjax.spec import step as spec_step
 
-    sampling, key = SamplingParams(), jax.random.key(0)
+    # every host value committed as the engine commits them (Model.put): an uncommitted first argument compiles the
+    # program a second time once the previous call's committed outputs come back
+    sampling, key = SamplingParams(), model.put(jax.random.key(0))
     if program == "decode":
         _, decode = model.step_programs(sampling, per_call)
 
         def prepare(n):
             token, cache = engine.plain_prefill(model, prompt, 6 * n * per_call, sampling, key, per_call)
-            return token, cache, jnp.int32(prompt.size)
+            return token, cache, model.put(np.int32(prompt.size))
 
         def call(state):
             token, cache, pos = state

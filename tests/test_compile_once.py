@@ -8,11 +8,12 @@ import collections
 import logging
 
 import jax
+import numpy as np
 import pytest
 
 import lingjax
 from conftest import FIXTURES
-from lingjax import checkpoint, engine, precompile
+from lingjax import checkpoint, engine, precompile, steady
 
 # The programs generation runs, by speculation mode (jit names: the jitted functions' names).
 PROGRAMS = {None: {"_prefill_impl", "_decode_impl"}, "nextn": {"_prefill_chunk", "_rounds"}}
@@ -89,3 +90,14 @@ def test_every_program_compiles_before_the_first_runs(spec, compiles, monkeypatc
     outside = {name: n for name, n in (compiles.names - inside).items() if name in steps}
     assert not outside, outside
     assert sum(step_compiles.values()) == {None: 2, "dspark": 3}[spec], step_compiles
+
+
+@pytest.mark.parametrize("program, jitted", [("decode", "_decode_impl"), ("prefill", "_prefill_impl")])
+def test_the_benches_steady_programs_compile_once(program, jitted, sources, compiles):
+    """bench/step_bench times lingjax.steady's programs and reports their compile seconds: the calls after the first
+    (on the first's committed outputs) reuse its compile, as the engine's do, so those seconds are one compile's."""
+    model = lingjax.load(sources["safetensors"], dtype="float32")
+    launch = steady.steady_program(model, program, np.arange(1, 9, dtype=np.int32)).launcher(3)
+    compiles.names.clear()
+    jax.block_until_ready(launch()[1])
+    assert compiles.names[jitted] == 1, dict(compiles.names)

@@ -97,3 +97,25 @@ def test_a_model_on_stacks_gives_what_one_with_an_array_per_layer_gives():
     for a, b in zip(jax.tree.leaves(apart.params, is_leaf=lambda x: isinstance(x, LayerOf)),
                     jax.tree.leaves(stacked.params, is_leaf=lambda x: isinstance(x, LayerOf))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_kernel_traces_once_for_every_layer_of_a_stack():
+    """Each layer's launch of a kernel takes the whole stack and its layer as a value (lingjax.stacked.layer_as_value
+    at the kernel's jitted entry; the kernel reads the layer from an input): the entry traces once for all the
+    layers (one jaxpr, so one lowering and one compiled kernel), not once a layer, and each layer's output is that
+    layer's."""
+    from lingjax.kernels import implementation
+
+    stack = jax.random.normal(key_for("stacked_trace"), (3, 64, 32), jnp.float32)
+    x = jax.random.normal(key_for("stacked_trace_x"), (1, 32), jnp.float32)
+    linear = implementation("linear", pallas=True)
+
+    def layers(s, x):
+        return [linear(x, LayerOf(s, i)) for i in range(3)]
+
+    entries = [e for e in jax.make_jaxpr(layers)(stack, x).jaxpr.eqns if e.params.get("name") == "linear"]
+    assert len(entries) == 3 and len({id(e.params["jaxpr"]) for e in entries}) == 1
+    for i, out in enumerate(jax.jit(layers)(stack, x)):
+        want = np.asarray(x, np.float64) @ np.asarray(stack[i], np.float64).T
+        assert np.isfinite(np.asarray(out)).all()
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)

@@ -172,28 +172,43 @@ def pallas_call(kernel, **kwargs):
     safe under XLA's programmatic dependent launch). Every kernel of the package goes through here.
 
     An operand may be a lingjax.stacked.LayerOf (one layer of a stack of weights): the launch takes the whole stack
-    and the kernel gets a LayerRef of it, so no slice is copied (a traced layer travels as one more int32 input after
-    the operands). The kernel body reads it as if the layer had been passed alone."""
+    and the kernel gets a LayerRef of it, so no slice is copied. Each distinct layer travels as one more int32 [1]
+    input after the operands, read inside the kernel, even where it is a Python int: the kernel is then the same
+    for every layer and compiles once for all of them (a layer baked into the kernel compiles one a layer). The
+    kernel body reads each stacked operand as if its layer had been passed alone."""
 
     def call(*operands):
-        flat, static, traced = unstack_operands(operands)
-        if not static and not traced:
+        flat, positions, layers = unstack_operands(operands)
+        if not positions:
             return instrument.current().launch(kernel, **kwargs)(*operands)
-        n_in = len(operands)
-
-        def at_layers(*refs, **kw):
-            refs = list(refs)
-            index = refs.pop(n_in) if traced else None  # the traced layers' ref sits right after the operands
-            for j, (pos, _) in enumerate(traced):
-                refs[pos] = LayerRef(refs[pos], index[j])
-            for pos, layer in static.items():
-                refs[pos] = LayerRef(refs[pos], layer)
-            return kernel(*refs, **kw)
-
-        extra = (jnp.stack([jnp.asarray(layer, jnp.int32) for _, layer in traced]),) if traced else ()
-        return instrument.current().launch(at_layers, **kwargs)(*flat, *extra)
+        distinct, slots = [], []  # each layer once (an fp8 weight's values and scales share theirs)
+        for layer in layers:
+            slot = next((i for i, seen in enumerate(distinct)
+                         if seen is layer or isinstance(seen, int) and seen == layer), None)
+            if slot is None:
+                slot = len(distinct)
+                distinct.append(layer)
+            slots.append(slot)
+        # one [1] array each, not one array of them all: XLA makes a kernel to fill an array of equal constants
+        index = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)) for layer in distinct]
+        at_layers = _at_layers(kernel, len(operands), positions, tuple(slots), len(distinct))
+        return instrument.current().launch(at_layers, **kwargs)(*flat, *index)
 
     return call
+
+
+def _at_layers(kernel, n_in: int, positions: tuple[int, ...], slots: tuple[int, ...], n_layers: int):
+    """kernel over refs where each stacked operand (at `positions` of the n_in operands) is a LayerRef at its layer,
+    held by ref slots[j] of the n_layers [1] refs that follow the operands."""
+
+    def at_layers(*refs, **kw):
+        refs = list(refs)
+        index = [refs.pop(n_in)[0] for _ in range(n_layers)]
+        for pos, slot in zip(positions, slots):
+            refs[pos] = LayerRef(refs[pos], index[slot])
+        return kernel(*refs, **kw)
+
+    return at_layers
 
 
 def selected(expert):
