@@ -185,8 +185,9 @@ def store_pass(model, args) -> list[dict]:
 def run_pass(name: str, cache_dir: str, argv: list[str]) -> tuple[list[dict], float]:
     """One pass in a new process -> (its rows, the process's wall seconds)."""
     t0 = time.perf_counter()
+    env = {k: v for k, v in os.environ.items() if k != "LINGJAX_NO_CACHE"}  # the pass keeps its own cache, as asked
     proc = subprocess.run([sys.executable, __file__, *argv, "--pass-name", name, "--cache-dir", cache_dir],
-                          stdout=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"compile_bench: the {name} pass failed ({proc.returncode})")

@@ -24,14 +24,12 @@ import importlib
 import logging
 from collections.abc import Callable
 
-import jax
-
 from lingjax import target
 from lingjax.ops import kda as kda_ops
 from lingjax.ops import linear as linear_ops
 from lingjax.ops import mla as mla_ops
 from lingjax.ops import moe as moe_ops
-from lingjax.stacked import LayerOf, layer_as_value, materialize
+from lingjax.stacked import layer_as_value, map_layers, materialize
 
 KERNELS = ("xla", "pallas")
 CHOICES = ("auto",) + KERNELS
@@ -126,7 +124,7 @@ def on_values(fun: Callable) -> Callable:
 
     @functools.wraps(fun)
     def call(*args, **kwargs):
-        args, kwargs = jax.tree.map(materialize, (args, kwargs), is_leaf=lambda a: isinstance(a, LayerOf))
+        args, kwargs = map_layers(materialize, (args, kwargs))
         return fun(*args, **kwargs)
 
     return call
@@ -147,7 +145,7 @@ def implementation(name: str, pallas: bool, tuning=None) -> Callable:
             if reason:
                 _fall_back(name, reason)
                 return on_values(op.reference_for_gpu())(*args, **kwargs)
-        args, kwargs = jax.tree.map(layer_as_value, (args, kwargs), is_leaf=lambda a: isinstance(a, LayerOf))
+        args, kwargs = map_layers(layer_as_value, (args, kwargs))
         return op.kernel()(*args, **kwargs, **extra)
 
     return call

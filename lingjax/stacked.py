@@ -121,6 +121,12 @@ def materialize(w):
     return w
 
 
+def map_layers(f, tree):
+    """f applied to each leaf of `tree`, a LayerOf taken whole (not its stack): how code that is not a kernel turns
+    the stacked layers among its values into what it reads (materialize, layer_as_value)."""
+    return jax.tree.map(f, tree, is_leaf=lambda a: isinstance(a, LayerOf))
+
+
 def unstack_operands(operands) -> tuple[tuple, tuple[int, ...], list]:
     """A kernel launch's operands -> (the operands with each LayerOf replaced by its stack, the positions of those,
     their layers (Python ints or traced int32 scalars), in the same order)."""

@@ -30,22 +30,26 @@ SALT = int(os.environ.setdefault("LINGJAX_TEST_SALT", str(np.random.SeedSequence
 def _compilation_cache() -> tuple[str, bool]:
     """(the session's compilation cache directory, whether this process made it). The tests build many
     programs whose XLA computations are identical (a Model or a ReplayDrafter per test, each with its
-    own jitted programs; every module's programs again after _release_compiled_programs): with the
-    cache each compiles once. Fresh for each session and removed at its end, so nothing carries over
-    between runs; the controller makes it and each xdist worker takes its own subdirectory (jax's cache
-    writes entries unlocked, so two processes must not share one)."""
+    own jitted programs; every module's programs again after _release_compiled_programs; the same model's
+    programs in a CLI, bench or notebook process the tests start): with the cache each compiles once a
+    session. Fresh for each session and removed at its end, so nothing carries over between runs. One directory
+    for the session's every process: the controller makes it, and the xdist workers and the processes the tests
+    start find it in the environment (JAX_COMPILATION_CACHE_DIR; the benches ignore it, bench/common.py). jax
+    writes an entry without a lock: two processes compiling the same program at once both write it, and a reader
+    that catches a half-written entry warns and compiles (jax's cache errors are warnings)."""
     made = "LINGJAX_TEST_COMPILE_CACHE" not in os.environ
     if made:
         os.environ["LINGJAX_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="lingjax-test-compile-cache-")
-    root = os.environ["LINGJAX_TEST_COMPILE_CACHE"]
-    return os.path.join(root, os.environ.get("PYTEST_XDIST_WORKER", "main")), made
+    return os.environ["LINGJAX_TEST_COMPILE_CACHE"], made
 
 
 _CACHE_DIR, _MADE_CACHE = _compilation_cache()
 os.environ["LINGJAX_NO_CACHE"] = "1"  # the CLI under test keeps this session's cache, not the user's
-jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
 # every program, however fast it compiled (jax caches only those over a second by default): most of a test's
 # programs are small ones, built again by each Model (as lingjax.compilation_cache.enable does for the CLI)
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 

@@ -1,11 +1,14 @@
 """`python -m lingjax.train.dspark`: the objective's pieces, the command on a few stdlib files against the shipped
 model (runs, resumes, refuses other options, exports a drafter that loads beside the target), its errors."""
 
+import contextlib
 import json
+import logging
 import shutil
 import sysconfig
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -33,6 +36,25 @@ def _roots(root: Path) -> Path:
     return root
 
 
+@contextlib.contextmanager
+def _step_compiles():
+    """The training step's lowerings while open (jax's "Compiling jit(step)" log lines), as a list."""
+    names = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Compiling jit(step)"):
+                names.append("step")
+
+    handler, logger = Handler(logging.WARNING), logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            yield names
+    finally:
+        logger.removeHandler(handler)
+
+
 def _main(argv, capsys):
     code = train_dspark.main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -50,8 +72,10 @@ def test_command_trains_resumes_and_exports(tmp_path, capsys):
     first = json.loads(stdout.strip().splitlines()[-1])
     assert first["step"] == 1 < first["total"]
     assert not (out / "export").exists()
-    code, stdout, _ = _main(argv + ["--export", export], capsys)
+    with _step_compiles() as compiles:
+        code, stdout, _ = _main(argv + ["--export", export], capsys)
     assert code == 0 and "step 3:" in stdout and "export:" in stdout
+    assert compiles == ["step"]  # the resumed run's two steps: one program (the restored step is committed)
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["step"] == 3 and np.isfinite(summary["held_out"]["loss"])
     model = lingjax.load(draft=export)

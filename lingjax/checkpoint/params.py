@@ -17,14 +17,13 @@ from flax import nnx
 
 from lingjax.checkpoint.names import CheckpointError
 from lingjax.model import LingModel
-from lingjax.stacked import LayerOf, materialize
+from lingjax.stacked import map_layers, materialize
 
 
 def pure_params(model: LingModel) -> dict:
     """The module's parameters as the pure dict of arrays a writer saves: a stacked layer's weight (a
     lingjax.stacked.LayerOf, as lingjax.Model.module holds it) sliced out of its stack."""
-    return jax.tree.map(materialize, nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-                        is_leaf=lambda a: isinstance(a, LayerOf))
+    return map_layers(materialize, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 def set_at(tree: dict, path: tuple, value) -> None:

@@ -366,7 +366,9 @@ def main(argv=None) -> int:
     record = {"run": {**rc.to_json(), "optim": dataclasses.asdict(rc.optim)}}
     if checkpointing.latest(a.out) is not None:
         at, restored, _ = checkpointing.restore(a.out, state, expect={**record, "data": {}})
-        state = {**restored, "step": jnp.int32(at)}
+        # the step on the device the restored arrays are on (committed, as every later step's is: an uncommitted
+        # step would make the second call's arguments differ from the first's, and compile the step again)
+        state = {**restored, "step": jax.device_put(jnp.int32(at), restored["rng"].sharding)}
     train_tokens, held_tokens = streams(a, rep)
     batches = data.PackedBatches(train_tokens, rc.batch, rc.seq_len - 1, rc.seed)  # [B, seq_len + 1] windows
     step_fn, eval_fn = programs(rc, block_cfg, graphdef)
