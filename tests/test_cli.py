@@ -283,7 +283,7 @@ def _cli(*argv, env):
                           timeout=600)
 
 
-def test_generate_ends_cleanly_when_it_stops_early(tmp_path):
+def test_generate_ends_cleanly_when_it_stops_early():
     """`lingjax generate` exits 0 (no abort in the runtime's teardown with a call launched ahead still running) when
     the first new token is a stop, when a stop falls inside a round's accepted drafts, and at max_new_tokens 1."""
     import os
@@ -297,8 +297,7 @@ def test_generate_ends_cleanly_when_it_stops_early(tmp_path):
     inside = [starts[r] + 1 for r, n in enumerate(rounds) if n >= 2 and starts[r] + 1 < len(tokens)
               and tokens[starts[r] + 1] not in tokens[:starts[r] + 1]]
     assert inside, (tokens, rounds)
-    env = dict(os.environ, LINGJAX_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("LINGJAX_NO_CACHE")
+    env = dict(os.environ)  # the session's compilation cache (tests/conftest.py): the programs compiled above
     base = ["generate", "--prompt", prompt, "--ignore-eos", "--ids"]
     cases = [(base + ["--stop-ids", str(tokens[0]), "--max-new-tokens", "8"], 1),
              (base + ["--spec", "nextn", "--steps", "3", "--stop-ids", str(tokens[inside[0]]), "--max-new-tokens",
